@@ -1,0 +1,2 @@
+"""kvpolicy."""
+__version__ = "0.1.0"

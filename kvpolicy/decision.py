@@ -1,0 +1,173 @@
+"""The decision and everything that travels with it: inputs, estimates, trace.
+
+`Recommendation` is the one output object: `recommend --format json`, the HTTP
+service and `apply` all carry it; its JSON Schema is published in `schemas/`.
+Consumers never re-decide: they read a `Decision`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Priority = Literal["decode", "prefill", "balanced"]
+TwoLevel = Literal["on", "off", "not_applicable"]
+ScaleSource = Literal["uncalibrated", "checkpoint_per_tensor", "checkpoint_per_head", "per_token_head"]
+Provenance = Literal["measured", "modelled"]
+
+DECISION_FIELDS = ("kv_cache_dtype", "skip_layers", "two_level_accumulation", "scale_source", "attention_backend")
+"""Decision fields in the order the engine decides them; a rule may test only earlier ones."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+
+class Workload(_Model):
+    """What the deployment asks of the GPU."""
+
+    context_tokens: int = Field(default=32768, gt=0, le=16_777_216)
+    """Context length per request (prompt plus output), in tokens."""
+    priority: Priority = "decode"
+    """What latency matters most: decode (ITL), prefill (TTFT) or both."""
+    concurrency: int = Field(default=1, gt=0, le=1_000_000)
+    """Requests served at once at that context."""
+    tp: int = Field(default=1, gt=0, le=1024)
+    """Tensor-parallel size (GPUs per replica)."""
+    accuracy_floor: float = Field(default=0.95, gt=0, le=1)
+    """Lowest acceptable accuracy recovery vs BF16 (0-1)."""
+    gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)
+    """Fraction of GPU memory vLLM may use (vLLM's default 0.92)."""
+
+
+class Decision(_Model):
+    """The KV-cache settings kvpolicy selects."""
+
+    kv_cache_dtype: str = "auto"
+    """KV-cache dtype as vLLM spells it (`auto` keeps the model dtype, BF16)."""
+    skip_layers: list[str] = Field(default_factory=list)
+    """Layers kept in BF16: `sliding_window` or layer indices as strings."""
+    two_level_accumulation: TwoLevel = "not_applicable"
+    """FP8 P.V accumulated tile by tile into FP32 registers (Hopper); n/a elsewhere."""
+    scale_source: ScaleSource = "uncalibrated"
+    """Where FP8 scales come from: 1.0, checkpoint per tensor, checkpoint per head, or in-kernel per token-head."""
+    attention_backend: str | None = None
+    """vLLM attention backend (`--attention-backend`); None lets vLLM choose."""
+
+
+class Estimate(_Model):
+    """One number with its provenance."""
+
+    value: float | None
+    """The number (None when it cannot be estimated)."""
+    unit: str
+    """Unit, e.g. `tokens`, `bytes`, `ratio`, `ms/token`."""
+    provenance: Provenance
+    """measured (from a study or the user's bench) or modelled (formula)."""
+    basis: str
+    """Source of a measured figure, or the formula and inputs of a modelled one."""
+
+
+class Estimates(_Model):
+    """Predicted effects of the decision."""
+
+    kv_bytes_per_token: dict[str, int]
+    """Bytes per token per rank by layer kind (summed over the layers of that kind), in the chosen format."""
+    kv_bytes_per_token_bf16: dict[str, int]
+    """The same in BF16, for comparison."""
+    kv_capacity_tokens: Estimate
+    """Tokens of KV the GPU holds (per replica) in the chosen format."""
+    kv_capacity_tokens_bf16: Estimate
+    """The same in BF16."""
+    capacity_vs_bf16: Estimate
+    """Requests at the context that fit, relative to BF16."""
+    max_concurrency: Estimate
+    """Requests at the context that fit in the chosen format."""
+    itl_slope_ratio: Estimate
+    """Decode ITL slope (ms/token of context) relative to BF16."""
+    break_even_tokens: Estimate
+    """Context above which the chosen format decodes faster than BF16."""
+    accuracy_recovery: Estimate
+    """Expected accuracy relative to BF16 (1.0 = no loss)."""
+
+
+class RuleOutcome(_Model):
+    """What one rule did."""
+
+    id: str
+    """Rule id, e.g. KV101."""
+    name: str
+    """Kebab-case rule name."""
+    matched: bool
+    """Whether its condition held."""
+    reason: str
+    """The condition's evaluation, e.g. `workload.context_tokens (32768) >= break_even (7659)`."""
+    decided: list[str] = Field(default_factory=list)
+    """Fields this rule set."""
+    overridden: list[str] = Field(default_factory=list)
+    """Fields it would set but an earlier rule (or a pin) had already decided."""
+    evidence: list[str] = Field(default_factory=list)
+    """Evidence ids it cites."""
+
+
+class FieldTrace(_Model):
+    """How one decision field was decided."""
+
+    value: Any
+    """Final value."""
+    decided_by: str
+    """Rule id, `pin:<name>`, `constraint:<name>` or `default`."""
+    losers: list[str] = Field(default_factory=list)
+    """Rules that matched and wanted another value."""
+
+
+class Trace(_Model):
+    """The engine's reasoning."""
+
+    rules: list[RuleOutcome]
+    """Every rule considered, in evaluation order."""
+    fields: dict[str, FieldTrace]
+    """Per decision field: who decided it."""
+    facts: dict[str, Any]
+    """The facts the rules saw."""
+
+
+class EvidenceRef(_Model):
+    """A measurement a rule cites."""
+
+    id: str
+    """Evidence id."""
+    statement: str
+    """The figure in words."""
+    source: str
+    """Where it was measured."""
+
+
+class Recommendation(_Model):
+    """Everything `kvpolicy recommend` returns."""
+
+    schema_version: Literal[1] = 1
+    """Version of this document's schema."""
+    model: str
+    """Model id as resolved."""
+    gpu: str
+    """GPU id as resolved."""
+    workload: Workload
+    """The workload inputs."""
+    policy: str
+    """Policy name and content hash."""
+    decision: Decision
+    """The selected settings."""
+    vllm_args: list[str]
+    """`vllm serve` flags that carry the decision out."""
+    estimates: Estimates
+    """Predicted effects."""
+    warnings: list[str]
+    """What the user must know or do (custom builds, calibration, accuracy caveats)."""
+    alternatives: list[str] = Field(default_factory=list)
+    """Options considered and why they were not chosen."""
+    evidence: list[EvidenceRef]
+    """Evidence cited by the rules that decided."""
+    trace: Trace
+    """Rule-by-rule reasoning."""

@@ -1,0 +1,1 @@
+"""Built-in policies (YAML data); installed as kvpolicy.policies."""

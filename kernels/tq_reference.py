@@ -1,0 +1,215 @@
+"""Float64 torch references for the TurboQuant formats: quantize, pack, unpack, attend.
+
+Everything here is plain torch on any device, written for clarity, not speed:
+it is what the Triton kernels in `tq_store.py` and `tq_decode.py` are tested
+against. Byte layouts are described in `turboquant.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvpolicy.kernels.turboquant import (
+    FP8_E4M3_MAX,
+    codebook_boundaries,
+    hadamard_rotation,
+    lloyd_max_codebook,
+    tq_layout,
+)
+
+# --- quantizers -------------------------------------------------------------------
+
+
+def quantize_keys_ref(key: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate, normalise and code keys [..., D]: (codes int64 [..., D], stored fp16 norm as float64 [...]).
+
+    The stored norm is ||k|| / ||c[codes]|| (norm correction folded in), rounded to fp16.
+    """
+    d = key.shape[-1]
+    k = key.to(torch.float64)
+    pi = hadamard_rotation(d, device=k.device)
+    norm = k.norm(dim=-1)
+    u = (k @ pi.T) / torch.where(norm > 0, norm, 1.0)[..., None]
+    cb = lloyd_max_codebook(bits, d).to(k.device)
+    # count of thresholds strictly below u: ties go to the lower centroid, as in the kernel
+    codes = torch.searchsorted(codebook_boundaries(cb).contiguous(), u.contiguous(), right=False)
+    cnorm = cb[codes].norm(dim=-1)
+    stored = (norm / cnorm).to(torch.float16).to(torch.float64)
+    return codes, stored
+
+
+def dequantize_keys_ref(codes: torch.Tensor, stored_norm: torch.Tensor, bits: int, rotated: bool = False) -> torch.Tensor:
+    """Keys (float64) from codes and stored norms; in the rotated space if `rotated`, else the original."""
+    d = codes.shape[-1]
+    cb = lloyd_max_codebook(bits, d).to(codes.device)
+    k_rot = cb[codes] * stored_norm[..., None]
+    return k_rot if rotated else k_rot @ hadamard_rotation(d, device=codes.device)
+
+
+def fp8_e4m3_ref(x: torch.Tensor) -> torch.Tensor:
+    """Saturating round-to-nearest-even e4m3 (torch's cast after clamping), as float64."""
+    return x.to(torch.float32).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float64)
+
+
+def quantize_values_ref(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-vector asymmetric uniform codes: (codes int64 [..., D], scale, zero), scale/zero fp16-rounded float64.
+
+    scale = (max - min) / (2^b - 1) and zero = min, both rounded to fp16 before
+    coding so that the codes fit the numbers the decoder reads; code =
+    floor((v - zero) / scale + 1/2) clamped to [0, 2^b - 1] (0 when scale is 0).
+    """
+    v = value.to(torch.float64)
+    levels = 2**bits - 1
+    vmin, vmax = v.amin(dim=-1), v.amax(dim=-1)
+    scale = ((vmax - vmin) / levels).to(torch.float16).to(torch.float64)
+    zero = vmin.to(torch.float16).to(torch.float64)
+    safe = torch.where(scale > 0, scale, 1.0)
+    codes = torch.floor((v - zero[..., None]) / safe[..., None] + 0.5).clamp(0, levels)
+    codes = torch.where(scale[..., None] > 0, codes, 0.0).to(torch.int64)
+    return codes, scale, zero
+
+
+def dequantize_values_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Values (float64) = code * scale + zero."""
+    return codes.to(torch.float64) * scale[..., None] + zero[..., None]
+
+
+# --- byte packing -----------------------------------------------------------------
+
+
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes int64 [..., D] -> uint8 [..., D*bits/8] in our layout (see turboquant.py)."""
+    d = codes.shape[-1]
+    c = codes.to(torch.int64)
+    if bits == 4:
+        return (c[..., : d // 2] | (c[..., d // 2 :] << 4)).to(torch.uint8)
+    if bits == 3:
+        q = d // 4
+        low = c & 3
+        plane2 = sum(low[..., s * q : (s + 1) * q] << (2 * s) for s in range(4))
+        e = d // 8
+        high = (c >> 2) & 1
+        plane1 = sum(high[..., t * e : (t + 1) * e] << t for t in range(8))
+        return torch.cat([plane2, plane1], dim=-1).to(torch.uint8)
+    raise ValueError(f"code bits must be 3 or 4, got {bits}")
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """Inverse of `_pack_codes`: uint8 [..., D*bits/8] -> int64 [..., D]."""
+    p = packed.to(torch.int64)
+    if bits == 4:
+        return torch.cat([p & 15, p >> 4], dim=-1)
+    q, e = d // 4, d // 8
+    plane2, plane1 = p[..., :q], p[..., q : q + e]
+    low = torch.cat([(plane2 >> (2 * s)) & 3 for s in range(4)], dim=-1)
+    high = torch.cat([(plane1 >> t) & 1 for t in range(8)], dim=-1)
+    return low | (high << 2)
+
+
+def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+
+
+def _bytes_f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).squeeze(-1).to(torch.float64)
+
+
+def pack_slots_ref(key: torch.Tensor, value: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Quantize K/V [..., D] and pack slots: uint8 [..., slot_bytes] (padding bytes zero)."""
+    d = key.shape[-1]
+    lay = tq_layout(fmt, d)
+    out = torch.zeros(*key.shape[:-1], lay.slot_bytes, dtype=torch.uint8, device=key.device)
+    if lay.key_fp8:
+        kq = fp8_e4m3_ref(key).to(torch.float8_e4m3fn)
+        out[..., lay.key_off : lay.key_off + lay.key_bytes] = kq.view(torch.uint8)
+    else:
+        codes, stored = quantize_keys_ref(key, lay.key_bits)
+        out[..., lay.key_off : lay.key_off + lay.key_bytes] = _pack_codes(codes, lay.key_bits)
+        out[..., lay.knorm_off : lay.knorm_off + 2] = _f16_bytes(stored)
+    vcodes, scale, zero = quantize_values_ref(value, lay.value_bits)
+    out[..., lay.val_off : lay.val_off + lay.val_bytes] = _pack_codes(vcodes, lay.value_bits)
+    out[..., lay.vscale_off : lay.vscale_off + 2] = _f16_bytes(scale)
+    out[..., lay.vzero_off : lay.vzero_off + 2] = _f16_bytes(zero)
+    return out
+
+
+def unpack_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int) -> dict[str, torch.Tensor]:
+    """Decode slots uint8 [..., slot_bytes] into codes and fp16 fields (as float64 / int64)."""
+    lay = tq_layout(fmt, head_dim)
+    kb = slots[..., lay.key_off : lay.key_off + lay.key_bytes]
+    out: dict[str, torch.Tensor] = {}
+    if lay.key_fp8:
+        out["key_fp8"] = kb.contiguous().view(torch.float8_e4m3fn).to(torch.float64)
+    else:
+        out["key_codes"] = _unpack_codes(kb, lay.key_bits, head_dim)
+        out["key_norm"] = _bytes_f16(slots[..., lay.knorm_off : lay.knorm_off + 2])
+    out["value_codes"] = _unpack_codes(slots[..., lay.val_off : lay.val_off + lay.val_bytes], lay.value_bits, head_dim)
+    out["value_scale"] = _bytes_f16(slots[..., lay.vscale_off : lay.vscale_off + 2])
+    out["value_zero"] = _bytes_f16(slots[..., lay.vzero_off : lay.vzero_off + 2])
+    return out
+
+
+def dequantize_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (float64, original space) that the slots encode."""
+    lay = tq_layout(fmt, head_dim)
+    f = unpack_slots_ref(slots, fmt, head_dim)
+    k = f["key_fp8"] if lay.key_fp8 else dequantize_keys_ref(f["key_codes"], f["key_norm"], lay.key_bits)
+    v = dequantize_values_ref(f["value_codes"], f["value_scale"], f["value_zero"])
+    return k, v
+
+
+def store_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: str) -> None:
+    """Reference store: pack K/V [T, H, D] into `cache` at `slot_mapping` (negative slots skipped)."""
+    nb, bs, h, sb = cache.shape
+    keep = slot_mapping >= 0
+    slots = pack_slots_ref(key[keep], value[keep], fmt)
+    flat = cache.view(nb * bs, h, sb)
+    flat[slot_mapping[keep]] = slots
+
+
+# --- attention ------------------------------------------------------------------------
+
+
+def gather_cache_ref(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int, b: int) -> torch.Tensor:
+    """Slots of sequence `b` in order: uint8 [seq_len, H, slot_bytes]."""
+    bs = cache.shape[1]
+    pos = torch.arange(seq_len, device=cache.device)
+    blocks = block_tables[b, pos // bs].long()
+    return cache[blocks, pos % bs]
+
+
+def attention_ref(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sm_scale: float,
+    sliding_window: int | None = None, sink: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float64 decode attention of one sequence: query [Hq, D], key/value [L, Hkv, D] -> [Hq, D]."""
+    hq, d = query.shape
+    hkv = key.shape[1]
+    q = query.to(torch.float64)
+    k = key.to(torch.float64).repeat_interleave(hq // hkv, dim=1)
+    v = value.to(torch.float64).repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("hd,lhd->hl", q, k) * sm_scale
+    if sliding_window is not None:
+        s[:, : max(0, key.shape[0] - sliding_window)] = -math.inf
+    if sink is not None:
+        s = torch.cat([s, sink.to(torch.float64)[:, None]], dim=1)
+        v = torch.cat([v, torch.zeros_like(v[:1])], dim=0)
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hl,lhd->hd", p, v)
+
+
+def decode_attention_tq_ref(
+    query: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, fmt: str,
+    sm_scale: float | None = None, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float64 attention over the K/V that a packed TurboQuant cache encodes: [B, Hq, D]."""
+    bsz, hq, d = query.shape
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    outs = []
+    for b in range(bsz):
+        slots = gather_cache_ref(cache, block_tables, int(seq_lens[b]), b)
+        k, v = dequantize_slots_ref(slots, fmt, d)
+        outs.append(attention_ref(query[b], k, v, scale, sliding_window, sinks))
+    return torch.stack(outs)

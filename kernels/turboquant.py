@@ -1,0 +1,244 @@
+"""TurboQuant-style KV formats: Lloyd-Max codebooks, the shared Hadamard rotation, slot layouts.
+
+The four formats are vLLM's (`turboquant_k8v4`, `turboquant_4bit_nc`,
+`turboquant_k3v4_nc`, `turboquant_3bit_nc`) with vLLM's slot sizes. Keys of the
+centroid formats are rotated by one shared orthonormal randomised Hadamard
+transform, normalised, and each coordinate is replaced by the index of its
+Lloyd-Max centroid for N(0, 1/D); k8v4 keys are plain FP8 e4m3 of the raw key
+(as in vLLM). Values are per-vector asymmetric uniform with fp16 scale and zero.
+
+Our slot layout (byte order inside the slot is ours; the size is vLLM's):
+
+    [key codes | value codes | key norm fp16 (centroid keys only) | v scale fp16 | v zero fp16 | pad]
+
+4-bit codes: byte j holds coordinate j (low nibble) and j + D/2 (high nibble),
+so a kernel gets two contiguous half-vectors from one byte tile without any
+interleaving. 3-bit codes are two planes: D/4 bytes of 2-bit fields (byte j,
+bits 2s..2s+1 = low bits of coordinate s*D/4 + j) and D/8 bytes of 1-bit
+fields (byte j, bit t = bit 2 of coordinate t*D/8 + j), so each quarter of the
+vector unpacks with one shift per plane.
+
+Norm correction ("nc") is folded at store time: the stored fp16 norm is
+||k|| / ||c[idx]||, so the decode kernel computes ||k|| * <q_rot, c[idx]/||c[idx]||>
+with one multiply per token instead of re-normalising every key.
+
+This module is plain data and numpy/torch set-up code; the kernels import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpolicy.formats import get_format
+
+TQ_FORMATS: tuple[str, ...] = (
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+)
+"""The four TurboQuant `--kv-cache-dtype` values our kernels implement."""
+
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+"""Head dims the kernels take: powers of two (Hadamard) with D/8 >= 8 lanes for the 3-bit plane."""
+
+FP8_E4M3_MAX = 448.0
+"""Largest finite e4m3 value; FP8 keys saturate there (vLLM uses no key scale for k8v4)."""
+
+ROTATION_SEED = 0x7151
+"""Seed of the Hadamard sign pattern: fixed so that a cache written today decodes tomorrow."""
+
+
+@dataclass(frozen=True)
+class TQLayout:
+    """Byte layout of one TurboQuant slot (one token of one KV head)."""
+
+    name: str
+    """The `--kv-cache-dtype` value."""
+    head_dim: int
+    """D."""
+    key_bits: int
+    """8 for FP8 keys, else 3 or 4 (Lloyd-Max code bits)."""
+    value_bits: int
+    """3 or 4 (uniform code bits)."""
+    slot_bytes: int
+    """Bytes per token per KV head, vLLM's size."""
+    key_off: int
+    """Offset of the key codes."""
+    key_bytes: int
+    """Bytes of key codes (D for FP8, D*bits/8 otherwise)."""
+    val_off: int
+    """Offset of the value codes."""
+    val_bytes: int
+    """Bytes of value codes."""
+    knorm_off: int
+    """Offset of the fp16 key norm (-1 for FP8 keys, which have none)."""
+    vscale_off: int
+    """Offset of the fp16 value scale."""
+    vzero_off: int
+    """Offset of the fp16 value zero point (the vector minimum)."""
+
+    @property
+    def key_fp8(self) -> bool:
+        """Keys are FP8 e4m3 (k8v4) rather than centroid codes."""
+        return self.key_bits == 8
+
+
+def tq_layout(fmt: str, head_dim: int) -> TQLayout:
+    """Slot layout of `fmt` at `head_dim`; raises ValueError for unknown formats or head dims."""
+    if fmt not in TQ_FORMATS:
+        raise ValueError(f"unknown TurboQuant format {fmt!r}; expected one of {', '.join(TQ_FORMATS)}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"{fmt}: head_dim {head_dim} is not supported; expected one of {SUPPORTED_HEAD_DIMS}"
+        )
+    spec = get_format(fmt)
+    kb, vb = spec.key_bits, spec.value_bits
+    key_bytes = head_dim if kb == 8 else head_dim * kb // 8
+    val_bytes = head_dim * vb // 8
+    val_off = key_bytes
+    tail = val_off + val_bytes
+    knorm_off = -1 if kb == 8 else tail
+    vscale_off = tail if kb == 8 else tail + 2
+    used = vscale_off + 4
+    slot = spec.slot_bytes(head_dim)
+    if slot < used or slot % 2:
+        raise ValueError(f"{fmt}: slot_bytes({head_dim}) = {slot} cannot hold {used} bytes")
+    return TQLayout(fmt, head_dim, kb, vb, slot, 0, key_bytes, val_off, val_bytes,
+                    knorm_off, vscale_off, vscale_off + 2)
+
+
+# --- Lloyd-Max codebooks -----------------------------------------------------
+
+
+def _gaussian_pdf(x: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_lloyd_max(bits: int, num_points: int = 400_001, half_width: float = 12.0) -> tuple[float, ...]:
+    """Lloyd-Max centroids for N(0, 1), by Lloyd's iteration on a quadrature of the density.
+
+    Cell masses and first moments come from cumulative trapezoid integrals of
+    the pdf on a fine grid (interpolated at the boundaries), so the code needs
+    only the density, not closed forms; tests check the result against the
+    closed-form optimality conditions and Max's (1960) table.
+    """
+    x = np.linspace(-half_width, half_width, num_points)
+    pdf = _gaussian_pdf(x)
+    dx = x[1] - x[0]
+    mass = np.concatenate([[0.0], np.cumsum((pdf[1:] + pdf[:-1]) * 0.5 * dx)])
+    xpdf = x * pdf
+    moment = np.concatenate([[0.0], np.cumsum((xpdf[1:] + xpdf[:-1]) * 0.5 * dx)])
+    levels = 2**bits
+    # Start from equal-mass cells' midpoints: close to optimal, so few iterations.
+    c = np.interp((np.arange(levels) + 0.5) / levels * mass[-1], mass, x)
+    for _ in range(20_000):
+        b = 0.5 * (c[1:] + c[:-1])
+        edges = np.concatenate([[x[0]], b, [x[-1]]])
+        m = np.interp(edges, x, mass)
+        g = np.interp(edges, x, moment)
+        new = (g[1:] - g[:-1]) / (m[1:] - m[:-1])
+        new = 0.5 * (new - new[::-1])  # the density is symmetric: keep the codebook exactly odd
+        if np.max(np.abs(new - c)) < 1e-13:
+            c = new
+            break
+        c = new
+    return tuple(float(v) for v in c)
+
+
+def lloyd_max_codebook(bits: int, head_dim: int) -> torch.Tensor:
+    """Sorted Lloyd-Max centroids (float64, 2**bits of them) for one coordinate ~ N(0, 1/head_dim)."""
+    if bits not in (1, 2, 3, 4):
+        raise ValueError(f"codebook bits must be 1..4, got {bits}")
+    return torch.tensor(_unit_lloyd_max(bits), dtype=torch.float64) / math.sqrt(head_dim)
+
+
+def codebook_boundaries(codebook: torch.Tensor) -> torch.Tensor:
+    """Decision thresholds of a nearest-centroid quantizer: midpoints of adjacent centroids."""
+    return 0.5 * (codebook[1:] + codebook[:-1])
+
+
+def gaussian_mse(codebook: torch.Tensor, sigma: float, num_points: int = 200_001) -> float:
+    """E[(X - Q(X))^2] for X ~ N(0, sigma^2) under nearest-centroid quantization (trapezoid quadrature)."""
+    x = torch.linspace(-12 * sigma, 12 * sigma, num_points, dtype=torch.float64)
+    pdf = torch.exp(-0.5 * (x / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
+    idx = torch.searchsorted(codebook_boundaries(codebook).contiguous(), x)
+    err = (x - codebook[idx]) ** 2 * pdf
+    return float(torch.trapezoid(err, x))
+
+
+# --- Hadamard rotation ---------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _signed_hadamard_np(head_dim: int) -> np.ndarray:
+    """H_D diag(sigma) with entries +-1 (unnormalised), sigma a fixed random sign vector."""
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
+    h = np.array([[1.0]])
+    while h.shape[0] < head_dim:
+        h = np.block([[h, h], [h, -h]])
+    signs = np.random.default_rng(ROTATION_SEED + head_dim).choice([-1.0, 1.0], size=head_dim)
+    return h * signs[None, :]
+
+
+def hadamard_rotation(head_dim: int, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The shared orthonormal rotation Pi = H diag(sigma) / sqrt(D); a key k is stored as Pi k."""
+    pi = torch.from_numpy(_signed_hadamard_np(head_dim) / math.sqrt(head_dim))
+    return pi.to(dtype=dtype, device=device)
+
+
+def rotation_t_signs(head_dim: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Pi^T * sqrt(D) in fp16: entries exactly +-1, so the in-kernel rotation `x @ this` is exact up to fp32 sums."""
+    return torch.from_numpy(_signed_hadamard_np(head_dim).T.copy()).to(dtype=torch.float16, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_tables_cpu(fmt: str, head_dim: int) -> dict[str, torch.Tensor]:
+    lay = tq_layout(fmt, head_dim)
+    kbits = 4 if lay.key_fp8 else lay.key_bits  # FP8 keys need no codebook; pass a valid dummy
+    cb = lloyd_max_codebook(kbits, head_dim)
+    return {
+        # decode: unit-variance centroids (values ~0.1..2.7) keep fp16 precision; 1/sqrt(D) goes into q's scale
+        "codebook_unit_f16": (cb * math.sqrt(head_dim)).to(torch.float16),
+        # store: exact-in-fp32 rotation and thresholds in N(0, 1/D) units
+        "codebook_f32": cb.to(torch.float32),
+        "boundaries_f32": codebook_boundaries(cb).to(torch.float32),
+        "rot_t_f32": hadamard_rotation(head_dim).T.contiguous().to(torch.float32),
+        "rot_t_sign_f16": rotation_t_signs(head_dim),
+    }
+
+
+def kernel_tables(fmt: str, head_dim: int, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Codebook, thresholds and rotation tensors the kernels read, on `device` (cached per device)."""
+    return _kernel_tables_on(fmt, head_dim, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_tables_on(fmt: str, head_dim: int, device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in _kernel_tables_cpu(fmt, head_dim).items()}
+
+
+def allocate_tq_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: str,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """A paged cache for one layer: uint8 [num_blocks, block_size, num_kv_heads, slot_bytes] (uninitialised)."""
+    lay = tq_layout(fmt, head_dim)
+    return torch.empty((num_blocks, block_size, num_kv_heads, lay.slot_bytes), dtype=torch.uint8, device=device)
+
+
+def capacity_ratio(fmt: str, head_dim: int) -> float:
+    """Tokens that fit per byte relative to BF16 K+V: 4*D / slot_bytes."""
+    return 4 * head_dim / tq_layout(fmt, head_dim).slot_bytes
+
+
+def turboquant_mse_bound(bits: int) -> float:
+    """The TurboQuant paper's MSE bound for unit vectors: (sqrt(3) pi / 2) 4^-b."""
+    return math.sqrt(3) * math.pi / 2 * 4.0**-bits

@@ -1,0 +1,7 @@
+"""`python -m kvpolicy`."""
+
+import sys
+
+from kvpolicy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""Reference commands: `rule`, `facts`, `models`, `gpus`, `schema`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvpolicy.errors import InputError, PolicyFailure, did_you_mean
+from kvpolicy.render import echo, to_json
+
+
+def configure(name: str, parser: argparse.ArgumentParser) -> None:
+    """Options of the reference commands."""
+    if name == "rule":
+        parser.add_argument("rule_id", nargs="?", help="rule id such as KV106, or a rule name; omit to list all")
+        parser.add_argument("--policy", "-p", default=None, help="policy file (default: the built-in policy)")
+    if name == "schema":
+        parser.add_argument("--out", default="schemas", help="folder to write to (default schemas/)")
+        parser.add_argument("--check", action="store_true",
+                            help="exit 1 if the files in --out differ from the code (for CI)")
+    if name != "schema":
+        parser.add_argument("--format", "-f", choices=["table", "json"], default="table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch to the command."""
+    return {"rule": _rule, "facts": _facts, "models": _models, "gpus": _gpus, "schema": _schema}[args.command](args)
+
+
+def _rule(args: argparse.Namespace) -> int:
+    from kvpolicy.policy.loader import load_policy
+
+    loaded = load_policy(args.policy)
+    rules = loaded.policy.rules
+    evidence = {e.id: e for e in loaded.policy.evidence}
+    if args.rule_id is None:
+        if args.format == "json":
+            echo(json.dumps([{"id": r.id, "name": r.name, "status": r.status, "enabled": r.enabled,
+                              "statement": r.statement} for r in rules], indent=2))
+        else:
+            for r in rules:
+                off = "" if r.enabled else "  [disabled]"
+                echo(f"{r.id}  {r.name:<38} {r.statement}{off}")
+        return 0
+    key = args.rule_id
+    found = [r for r in rules if r.id.lower() == key.lower() or r.name == key]
+    if not found:
+        names = [r.id for r in rules] + [r.name for r in rules]
+        raise InputError(f"no rule `{key}` in {loaded.label}.{did_you_mean(key, names)} "
+                         "Run `kvpolicy rule` to list the rules.")
+    r = found[0]
+    if args.format == "json":
+        data = r.model_dump(mode="json", by_alias=True, exclude_none=True)
+        data["evidence"] = [evidence[e].model_dump(mode="json", exclude_none=True) for e in r.evidence if e in evidence]
+        echo(to_json(data))
+        return 0
+    echo(f"{r.name} ({r.id}) [{r.status}{'' if r.enabled else ', disabled'}]\n")
+    echo(f"What it does\n  {r.statement}\n")
+    echo(f"Why\n  {r.why.strip() or '(not given)'}\n")
+    if r.when is not None:
+        echo("When\n  " + json.dumps(r.when.model_dump(mode="json", by_alias=True, exclude_defaults=True)))
+    echo("Then\n  " + (json.dumps(r.then.fields()) if r.then.fields() else "(advice only)") + "\n")
+    echo("Evidence")
+    for e in r.evidence:
+        ev = evidence.get(e)
+        echo(f"  {e}: " + (f"{ev.statement}\n    source: {ev.source}" if ev else "(missing from the policy)"))
+    return 0
+
+
+def _facts(args: argparse.Namespace) -> int:
+    from kvpolicy.facts import FACTS
+
+    if args.format == "json":
+        echo(json.dumps(FACTS, indent=2))
+    else:
+        width = max(map(len, FACTS))
+        for path, desc in FACTS.items():
+            echo(f"{path.ljust(width)}  {desc}")
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from kvpolicy.catalog import load_models
+
+    models = load_models()
+    if args.format == "json":
+        echo(json.dumps([m.model_dump(mode="json", exclude_defaults=True) for m in models.values()], indent=2))
+        return 0
+    for m in models.values():
+        kinds = ", ".join(f"{m.count(k)} {k}" for k in ("full", "sliding", "mla", "linear", "shared") if m.count(k))
+        window = f", window {m.sliding_window}" if m.sliding_window and m.count("sliding") else ""
+        echo(f"{m.id:<34} {m.hf_id or '':<42} {m.attention}, head_dim {m.head_dim}, {kinds}{window}")
+    return 0
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    from kvpolicy.catalog import load_gpus
+
+    gpus = load_gpus()
+    if args.format == "json":
+        echo(json.dumps([g.model_dump(mode="json", exclude_defaults=True) for g in gpus.values()], indent=2))
+        return 0
+    for g in gpus.values():
+        fp8 = "fp8" if g.fp8_compute else "no fp8"
+        echo(f"{g.id:<24} {g.generation:<10} {g.memory_gib:>7.1f} GiB {g.bandwidth_tbs:>5.2f} TB/s  {fp8:<7} "
+             f"aliases: {', '.join(g.aliases)}")
+    return 0
+
+
+def schemas() -> dict[str, dict]:
+    """The published JSON Schemas by file name."""
+    from kvpolicy.decision import Recommendation
+    from kvpolicy.policy.schema import Policy
+
+    def make(model: type, title: str) -> dict:
+        schema = model.model_json_schema(by_alias=True)  # type: ignore[attr-defined]
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["title"] = title
+        return schema
+
+    return {
+        "policy.schema.json": make(Policy, "kvpolicy policy file"),
+        "recommendation.schema.json": make(Recommendation, "kvpolicy recommendation"),
+    }
+
+
+def _schema(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    stale = []
+    for name, schema in schemas().items():
+        text = json.dumps(schema, indent=2) + "\n"
+        path = out / name
+        if args.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(path))
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        echo(f"wrote {path}")
+    if stale:
+        raise PolicyFailure("stale JSON Schema: " + ", ".join(stale) + ". Run `kvpolicy schema` and commit.")
+    return 0

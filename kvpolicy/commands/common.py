@@ -1,0 +1,91 @@
+"""Options and input resolution shared by the commands that evaluate one deployment."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from kvpolicy.arch import ModelArch
+from kvpolicy.decision import Workload
+from kvpolicy.errors import InputError
+from kvpolicy.gpus import GpuSpec
+from kvpolicy.policy.loader import LoadedPolicy, load_policy
+
+
+def positive_int(flag: str):  # noqa: ANN201 - argparse type factory
+    """argparse type: a positive integer, with an error that names the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} expects a whole number, found {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be positive, found {value}")
+        return value
+
+    return parse
+
+
+def unit_float(flag: str):  # noqa: ANN201 - argparse type factory
+    """argparse type: a number in (0, 1]."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} expects a number such as 0.95, found {text!r}") from None
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be in (0, 1], found {value:g}")
+        return value
+
+    return parse
+
+
+def add_deployment_args(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    """--model, --gpu, workload options and --policy."""
+    parser.add_argument("--model", "-m", required=model_required,
+                        help="catalog id (gpt-oss-20b), Hugging Face id (openai/gpt-oss-20b), "
+                             "or a local model folder / config.json")
+    parser.add_argument("--gpu", "-g", required=model_required,
+                        help="GPU id or alias (h100, H100-SXM, b200, a100, l40s, h200...), or `auto`")
+    parser.add_argument("--context", "-c", default="32k",
+                        help="context length per request: 32k, 128k, 131072 (default 32k)")
+    parser.add_argument("--priority", choices=["decode", "prefill", "balanced"], default="decode",
+                        help="latency that matters most (default decode)")
+    parser.add_argument("--concurrency", type=positive_int("--concurrency"), default=1,
+                        help="requests served at once at that context (default 1)")
+    parser.add_argument("--tp", type=positive_int("--tp"), default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--accuracy-floor", type=unit_float("--accuracy-floor"), default=None,
+                        help="lowest acceptable accuracy recovery vs BF16 (default: the policy's, 0.95)")
+    parser.add_argument("--gpu-memory-utilization", type=unit_float("--gpu-memory-utilization"), default=0.92,
+                        help="fraction of GPU memory vLLM may use (default 0.92)")
+    parser.add_argument("--policy", "-p", default=None,
+                        help="policy file (default: the built-in policy, builtin:default)")
+
+
+@dataclass
+class Inputs:
+    """Everything one evaluation needs."""
+
+    arch: ModelArch
+    gpu: GpuSpec
+    workload: Workload
+    loaded: LoadedPolicy
+
+
+def resolve_inputs(args: argparse.Namespace) -> Inputs:
+    """Resolve the model, GPU, policy and workload named on the command line."""
+    from kvpolicy.catalog import resolve_gpu, resolve_model
+    from kvpolicy.recommend import make_workload
+
+    if not args.model or not args.gpu:
+        raise InputError("--model and --gpu are required, e.g. `--model gpt-oss-20b --gpu h100`.")
+    loaded = load_policy(args.policy)
+    arch = resolve_model(args.model)
+    gpu = resolve_gpu(args.gpu)
+    workload = make_workload(
+        loaded, context=args.context, priority=args.priority, concurrency=args.concurrency, tp=args.tp,
+        accuracy_floor=args.accuracy_floor, gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    return Inputs(arch=arch, gpu=gpu, workload=workload, loaded=loaded)

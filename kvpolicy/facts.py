@@ -1,0 +1,123 @@
+"""Facts: the flat, typed, read-only view of everything a rule may test.
+
+Rules name facts by path (`model.head_dim`, `gpu.generation`...). `FACTS` lists
+every path with a description: `kvpolicy facts` prints it, lint checks rules
+against it, and `build_facts` must produce exactly these keys (a test checks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpolicy.arch import ModelArch
+from kvpolicy.decision import Workload
+from kvpolicy.estimates import Layout, break_even, kv_budget_bytes, max_concurrency, recovery
+from kvpolicy.gpus import GpuSpec
+from kvpolicy.policy.schema import Policy
+
+FACTS: dict[str, str] = {
+    "model.id": "catalog id of the model",
+    "model.family": "model family (llama, qwen3, gpt-oss, gemma, kimi, deepseek, ...)",
+    "model.attention": "attention kind: gqa, mha, mqa or mla",
+    "model.head_dim": "head dimension of the sliding/regular attention layers",
+    "model.max_head_dim": "largest head dimension over the KV-holding layers",
+    "model.num_layers": "decoder layers",
+    "model.num_kv_heads": "KV heads per layer",
+    "model.num_full_layers": "full-attention layers",
+    "model.num_sliding_layers": "sliding-window layers",
+    "model.num_mla_layers": "MLA layers",
+    "model.num_linear_layers": "linear-attention / Mamba layers (no per-token KV)",
+    "model.num_kv_layers": "layers that hold a KV cache of their own",
+    "model.sliding_window": "sliding window in tokens (absent when none)",
+    "model.is_hybrid": "more than one kind of layer cache (sliding, linear or shared beside full)",
+    "model.has_attention_sinks": "learned attention sinks (gpt-oss)",
+    "gpu.id": "catalog id of the GPU",
+    "gpu.vendor": "nvidia or amd",
+    "gpu.generation": "ampere, ada, hopper, blackwell, cdna3 or cdna4",
+    "gpu.sm": "compute capability as an integer (90 for 9.0)",
+    "gpu.fp8_compute": "FP8 tensor cores exist",
+    "gpu.memory_gib": "device memory in GiB",
+    "gpu.bandwidth_tbs": "memory bandwidth in TB/s",
+    "workload.context_tokens": "context length per request",
+    "workload.priority": "decode, prefill or balanced",
+    "workload.concurrency": "requests served at once",
+    "workload.tp": "tensor-parallel size",
+    "workload.accuracy_floor": "lowest acceptable accuracy recovery",
+    "memory.weights_fit": "the weights fit on the GPUs with room for a KV cache",
+    "memory.max_concurrency_bf16": "requests at the context that fit with a BF16 cache",
+    "memory.max_concurrency_fp8": "requests at the context that fit with an FP8 cache",
+    "memory.max_concurrency_turboquant_4bit_nc": "requests at the context that fit with turboquant_4bit_nc",
+    "memory.fits_bf16": "the concurrency fits with a BF16 cache",
+    "memory.fits_fp8": "the concurrency fits with an FP8 cache",
+    "memory.fits_turboquant_4bit_nc": "the concurrency fits with turboquant_4bit_nc",
+    "memory.pressure_bf16": "KV needed / KV available with BF16 (above 1: does not fit)",
+    "latency.fp8_break_even_tokens": "context above which FP8 (all layers) decodes faster than BF16",
+    "latency.fp8_skip_sliding_break_even_tokens": "the same with sliding layers kept BF16 (absent without sliding layers)",
+    "latency.fp8_best_break_even_tokens": "the lower of the two",
+    "accuracy.fp8_recovery": "expected FP8 accuracy recovery at this context (uncalibrated)",
+    "accuracy.turboquant_4bit_nc_recovery": "expected turboquant_4bit_nc accuracy recovery",
+    "decision.kv_cache_dtype": "KV dtype decided so far (for rules after the dtype stage)",
+    "decision.kv_format": "family of the decided dtype: bf16, fp8 or turboquant",
+    "decision.skip_layers": "`sliding_window`, indices joined by commas, or empty",
+    "decision.two_level_accumulation": "on, off or not_applicable",
+    "decision.scale_source": "scale source decided so far",
+    "decision.attention_backend": "attention backend (advice rules only: it is decided last)",
+}
+"""Every fact path with a one-line description."""
+
+
+def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Policy) -> dict[str, Any]:
+    """Facts for one deployment (decision.* facts are added by the engine as it decides)."""
+    kv_dims = [arch.head_dims(i)[0] for i in arch.kv_layer_indices if arch.layer_types[i] != "mla"]
+    f: dict[str, Any] = {
+        "model.id": arch.id,
+        "model.family": arch.family,
+        "model.attention": arch.attention,
+        "model.head_dim": arch.head_dim,
+        "model.max_head_dim": max(kv_dims) if kv_dims else arch.head_dim,
+        "model.num_layers": arch.num_layers,
+        "model.num_kv_heads": arch.num_kv_heads,
+        "model.num_full_layers": arch.count("full"),
+        "model.num_sliding_layers": arch.count("sliding"),
+        "model.num_mla_layers": arch.count("mla"),
+        "model.num_linear_layers": arch.count("linear"),
+        "model.num_kv_layers": len(arch.kv_layer_indices),
+        "model.sliding_window": arch.sliding_window if arch.count("sliding") else None,
+        "model.is_hybrid": arch.is_hybrid,
+        "model.has_attention_sinks": arch.has_attention_sinks,
+        "gpu.id": gpu.id,
+        "gpu.vendor": gpu.vendor,
+        "gpu.generation": gpu.generation,
+        "gpu.sm": gpu.sm,
+        "gpu.fp8_compute": gpu.fp8_compute,
+        "gpu.memory_gib": gpu.memory_gib,
+        "gpu.bandwidth_tbs": gpu.bandwidth_tbs,
+        "workload.context_tokens": workload.context_tokens,
+        "workload.priority": workload.priority,
+        "workload.concurrency": workload.concurrency,
+        "workload.tp": workload.tp,
+        "workload.accuracy_floor": workload.accuracy_floor,
+    }
+    budget = kv_budget_bytes(arch, gpu, workload)
+    f["memory.weights_fit"] = budget > 0
+    conc = {}
+    for dtype in ("auto", "fp8", "turboquant_4bit_nc"):
+        conc[dtype] = max_concurrency(Layout.of(arch, dtype), budget, workload)
+    f["memory.max_concurrency_bf16"] = conc["auto"]
+    f["memory.max_concurrency_fp8"] = conc["fp8"]
+    f["memory.max_concurrency_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"]
+    f["memory.fits_bf16"] = conc["auto"] >= workload.concurrency
+    f["memory.fits_fp8"] = conc["fp8"] >= workload.concurrency
+    f["memory.fits_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"] >= workload.concurrency
+    need = Layout.of(arch, "auto").request_bytes(workload.tp, workload.context_tokens) * workload.concurrency
+    f["memory.pressure_bf16"] = round(need / budget, 3) if budget > 0 else None
+
+    be_all = break_even(policy, arch, gpu, "fp8", [], f).value
+    f["latency.fp8_break_even_tokens"] = be_all
+    be_skip = break_even(policy, arch, gpu, "fp8", ["sliding_window"], f).value if arch.count("sliding") else None
+    f["latency.fp8_skip_sliding_break_even_tokens"] = be_skip
+    candidates = [b for b in (be_all, be_skip) if b is not None]
+    f["latency.fp8_best_break_even_tokens"] = min(candidates) if candidates else None
+    f["accuracy.fp8_recovery"] = recovery(policy, "fp8", workload.context_tokens).value
+    f["accuracy.turboquant_4bit_nc_recovery"] = recovery(policy, "turboquant_4bit_nc", workload.context_tokens).value
+    return f

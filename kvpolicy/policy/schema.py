@@ -1,0 +1,304 @@
+"""The policy file's schema: rules, conditions, thresholds, evidence, pins, constraints.
+
+Everything here is data. Conditions are a closed set of operators over named
+facts; no string is ever evaluated. The JSON Schema in `schemas/` is generated
+from these models (`kvpolicy schema`), so the docs and editor validation follow
+the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvpolicy.decision import DECISION_FIELDS, ScaleSource, TwoLevel
+
+Operator = Literal["eq", "ne", "lt", "le", "gt", "ge", "in", "not_in", "exists", "glob"]
+"""Comparison operators. `exists` tests that a fact has a value; `glob` matches fnmatch patterns."""
+
+Scalar = Union[bool, int, float, str, None]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+
+class ThresholdRef(_Strict):
+    """A value taken from a named threshold (`{threshold: break_even_tokens}`)."""
+
+    threshold: str
+    """Name of a threshold in `thresholds:`."""
+
+
+class FactRef(_Strict):
+    """A value taken from another fact (`{fact: workload.accuracy_floor}`)."""
+
+    fact: str
+    """Fact path, e.g. `workload.accuracy_floor`."""
+
+
+Operand = Union[ThresholdRef, FactRef, Scalar, list[Scalar]]
+
+
+class Compare(_Strict):
+    """`fact op value`: the leaf of a condition."""
+
+    fact: str
+    """Fact path on the left, e.g. `model.sliding_window`."""
+    op: Operator = "eq"
+    """Operator."""
+    value: Operand = None
+    """Right-hand side: a literal, a list (for in/not_in), `{threshold: name}` or `{fact: path}`."""
+
+
+class AllOf(_Strict):
+    """True when every sub-condition holds."""
+
+    all: list[Condition] = Field(min_length=1)
+    """Sub-conditions."""
+
+
+class AnyOf(_Strict):
+    """True when at least one sub-condition holds."""
+
+    any: list[Condition] = Field(min_length=1)
+    """Sub-conditions."""
+
+
+class Not(_Strict):
+    """True when the sub-condition does not hold."""
+
+    not_: Condition = Field(alias="not")
+    """Sub-condition."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", populate_by_name=True)
+
+
+Condition = Union[AllOf, AnyOf, Not, Compare]
+for _m in (AllOf, AnyOf, Not):
+    _m.model_rebuild()
+
+
+class DecisionPatch(_Strict):
+    """Decision fields a rule or pin sets; fields left out are not touched."""
+
+    kv_cache_dtype: str | None = None
+    """KV-cache dtype as vLLM spells it."""
+    skip_layers: list[str] | None = None
+    """`[sliding_window]`, layer indices as strings, or `[]` for none."""
+    two_level_accumulation: TwoLevel | None = None
+    """on / off / not_applicable."""
+    scale_source: ScaleSource | None = None
+    """uncalibrated / checkpoint_per_tensor / checkpoint_per_head / per_token_head."""
+    attention_backend: str | None = None
+    """vLLM backend name, e.g. FLASH_ATTN."""
+
+    @field_validator("skip_layers", mode="before")
+    @classmethod
+    def _stringify(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [str(x) for x in v]
+        return v
+
+    def fields(self) -> dict[str, Any]:
+        """The fields this patch sets, in decision order."""
+        data = self.model_dump(exclude_unset=True)
+        return {k: data[k] for k in DECISION_FIELDS if k in data}
+
+
+class Rule(_Strict):
+    """One rule: when a condition holds, set decision fields; cite evidence."""
+
+    id: str = Field(pattern=r"^[A-Z]{2,4}\d{3}$")
+    """Permanent id, e.g. KV101 (never reused)."""
+    name: str = Field(pattern=r"^[a-z0-9]+(-[a-z0-9]+)*$")
+    """Kebab-case name."""
+    status: Literal["stable", "preview", "deprecated"] = "stable"
+    """Deprecated rules are never evaluated."""
+    statement: str
+    """One line: what the rule does."""
+    why: str = ""
+    """Why the rule exists (what goes wrong without it)."""
+    when: Condition | None = None
+    """Condition; omitted = always."""
+    then: DecisionPatch = Field(default_factory=lambda: DecisionPatch())
+    """Fields set when the condition holds; empty for advice rules."""
+    warn: list[str] = Field(default_factory=list)
+    """Messages shown when this rule decides a field; `{fact.path}` placeholders are filled in."""
+    advise: list[str] = Field(default_factory=list)
+    """Advice listed under alternatives when the condition holds (evaluated after every field is decided)."""
+    evidence: list[str] = Field(default_factory=list)
+    """Evidence ids backing the rule."""
+    enabled: bool = True
+    """False disables the rule (kept for the record)."""
+
+
+class ItlFit(_Strict):
+    """A measured single-request ITL line (ITL = slope x context + intercept)."""
+
+    slope_ms_per_token: float = Field(gt=0)
+    """Slope in ms of ITL per token of context."""
+    intercept_ms: float | None = None
+    """Intercept in ms."""
+    break_even_tokens: float | None = Field(default=None, gt=0)
+    """Measured break-even against BF16 in tokens, when the study gives it."""
+
+
+class ItlMeasurement(_Strict):
+    """ITL fits of one model on one GPU, one entry per KV variant."""
+
+    model: str
+    """Model catalog id (or family with `family:` prefix)."""
+    gpu: str
+    """GPU catalog id."""
+    variants: dict[str, ItlFit]
+    """`bf16`, `fp8`, `fp8_skip_sliding`, `turboquant_4bit_nc`, ... -> fit."""
+
+
+class Recovery(_Strict):
+    """A measured accuracy recovery vs BF16 for a KV dtype up to a context length."""
+
+    dtype: str
+    """KV dtype (vLLM name)."""
+    value: float = Field(gt=0, le=1.2)
+    """Recovery (score / BF16 score); the lower bound of the study's range."""
+    max_context_tokens: int = Field(default=1 << 30, gt=0)
+    """Longest context this figure covers."""
+
+
+class Evidence(_Strict):
+    """A measurement or documented fact that rules cite."""
+
+    id: str = Field(pattern=r"^[a-z0-9]+(-[a-z0-9.]+)*$")
+    """Permanent kebab-case id."""
+    statement: str
+    """The figure in words."""
+    source: str
+    """Study, document or benchmark run it comes from."""
+    itl: ItlMeasurement | None = None
+    """Machine-readable ITL fits, used by the latency estimates."""
+    recovery: list[Recovery] = Field(default_factory=list)
+    """Machine-readable accuracy recoveries, used by the accuracy estimates."""
+
+
+class Threshold(_Strict):
+    """A named number rules compare against, optionally keyed by a fact (e.g. GPU generation)."""
+
+    description: str = ""
+    """What the number means and where it comes from."""
+    value: float | None = None
+    """The value when not keyed."""
+    by: str | None = None
+    """Fact whose value selects an entry of `values`, e.g. `gpu.generation`."""
+    values: dict[str, float] = Field(default_factory=dict)
+    """Per-key values when `by` is set."""
+    default: float | None = None
+    """Value when `by`'s fact matches no key."""
+    min: float | None = None
+    """Lowest sensible value (lint checks overrides)."""
+    max: float | None = None
+    """Highest sensible value (lint checks overrides)."""
+    evidence: list[str] = Field(default_factory=list)
+    """Evidence ids backing the number."""
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Threshold:
+        if self.by is None and self.value is None:
+            raise ValueError("a threshold needs `value`, or `by` with `values`")
+        if self.by is not None and not self.values:
+            raise ValueError("`by` needs `values`")
+        return self
+
+
+class Pin(_Strict):
+    """Fixed decision fields for a model, family or deployment; applied after the rules."""
+
+    name: str
+    """Name shown in the trace as `pin:<name>`."""
+    when: Condition
+    """Which deployments the pin applies to, e.g. `{fact: model.family, op: eq, value: kimi}`."""
+    set: DecisionPatch
+    """Fields to force."""
+    reason: str = ""
+    """Why the pin exists."""
+
+
+class Constraints(_Strict):
+    """Hard limits every decision must respect."""
+
+    forbid: dict[str, list[str]] = Field(default_factory=dict)
+    """Field -> fnmatch patterns of values that must never be chosen, e.g. `kv_cache_dtype: [turboquant_*]`."""
+    min_accuracy_floor: float | None = Field(default=None, gt=0, le=1)
+    """The accuracy floor may not be set lower than this."""
+
+    @field_validator("forbid")
+    @classmethod
+    def _known_fields(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for key in v:
+            if key not in DECISION_FIELDS:
+                raise ValueError(f"unknown decision field `{key}`; allowed: {', '.join(DECISION_FIELDS)}")
+        return v
+
+
+class Deployment(_Strict):
+    """A serving target kept in the policy repo."""
+
+    name: str
+    """Deployment name."""
+    model: str
+    """Model catalog id, HF id or local config path."""
+    gpu: str
+    """GPU catalog id or alias."""
+    context: int | str = 32768
+    """Context length (`32k` or a number)."""
+    priority: Literal["decode", "prefill", "balanced"] = "decode"
+    """decode, prefill or balanced."""
+    concurrency: int = Field(default=1, gt=0)
+    """Requests served at once."""
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel size."""
+    accuracy_floor: float | None = Field(default=None, gt=0, le=1)
+    """Accuracy floor (defaults to the policy's threshold)."""
+
+
+class Policy(_Strict):
+    """A KV-cache policy file."""
+
+    version: Literal[1] = 1
+    """Schema version."""
+    name: str = "policy"
+    """Policy name, shown in outputs."""
+    description: str = ""
+    """What the policy is for."""
+    extends: str | None = None
+    """`builtin:default` or a path (relative to this file) whose content this file refines."""
+    thresholds: dict[str, Threshold] = Field(default_factory=dict)
+    """Named numbers; an extending file may override `value`/`values` only."""
+    defaults: DecisionPatch = Field(default_factory=DecisionPatch)
+    """Decision fields no rule decides."""
+    rules: list[Rule] = Field(default_factory=list)
+    """Rules in evaluation order."""
+    disable: list[str] = Field(default_factory=list)
+    """Rule ids of the extended policy to switch off."""
+    order: list[str] = Field(default_factory=list)
+    """Rule ids to move to the front, in this order (re-ordering an extended policy)."""
+    evidence: list[Evidence] = Field(default_factory=list)
+    """Measurements the rules cite."""
+    pins: list[Pin] = Field(default_factory=list)
+    """Forced fields, applied after the rules."""
+    constraints: Constraints = Field(default_factory=Constraints)
+    """Hard limits."""
+    deployments: list[Deployment] = Field(default_factory=list)
+    """Serving targets evaluated by `kvpolicy check`."""
+
+
+def resolve_threshold(policy: Policy, name: str, facts: dict[str, Any]) -> float | None:
+    """Value of a named threshold for these facts (keyed thresholds look up `by`'s fact)."""
+    t = policy.thresholds.get(name)
+    if t is None:
+        return None
+    if t.by is None:
+        return t.value
+    key = facts.get(t.by)
+    return t.values.get(str(key), t.default)

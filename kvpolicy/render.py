@@ -1,0 +1,146 @@
+"""Render a Recommendation: rich panels for people, JSON/YAML for machines, bare flags for shells."""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import sys
+from typing import Any
+
+from kvpolicy.decision import Estimate, Recommendation
+from kvpolicy.vllm_flags import realisation
+
+FORMATS = ("table", "json", "yaml", "args")
+
+
+def to_json(data: Any) -> str:
+    """Pretty JSON of a pydantic model or plain data."""
+    if hasattr(data, "model_dump"):
+        data = data.model_dump(mode="json")
+    return json.dumps(data, indent=2, sort_keys=False)
+
+
+def to_yaml(data: Any) -> str:
+    """Block-style YAML of a pydantic model or plain data."""
+    from ruamel.yaml import YAML
+
+    if hasattr(data, "model_dump"):
+        data = data.model_dump(mode="json")
+    out = io.StringIO()
+    yaml = YAML(typ="safe", pure=True)
+    yaml.default_flow_style = False
+    yaml.sort_base_mapping_type_on_output = False  # type: ignore[attr-defined]
+    yaml.dump(data, out)
+    return out.getvalue()
+
+
+def shell_command(model: str, args: list[str]) -> str:
+    """A copy-pasteable `vllm serve` line."""
+    return " ".join(shlex.quote(a) for a in ["vllm", "serve", model, *args])
+
+
+def _fmt(e: Estimate, pct: bool = False) -> str:
+    if e.value is None:
+        return "n/a"
+    if pct:
+        text = f"{e.value * 100:.0f}%"
+    elif e.unit in ("tokens", "requests"):
+        text = f"{int(e.value):,}"
+    elif e.unit == "ratio":
+        text = f"{e.value:.2f}x"
+    else:
+        text = f"{e.value:g} {e.unit}"
+    return f"{text} ({e.provenance})"
+
+
+def render(rec: Recommendation, fmt: str, *, model_ref: str | None = None, explain: bool = False) -> None:
+    """Print a recommendation in one of FORMATS."""
+    if fmt == "json":
+        print(to_json(rec))
+    elif fmt == "yaml":
+        print(to_yaml(rec), end="")
+    elif fmt == "args":
+        print(" ".join(shlex.quote(a) for a in rec.vllm_args))
+    else:
+        _render_rich(rec, model_ref or rec.model, explain=explain)
+
+
+def _render_rich(rec: Recommendation, model_ref: str, explain: bool) -> None:
+    from rich.console import Console, Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(soft_wrap=False)
+    d, e, w = rec.decision, rec.estimates, rec.workload
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("KV-cache dtype", d.kv_cache_dtype + ("  (BF16, the model dtype)" if d.kv_cache_dtype == "auto" else ""))
+    head.add_row("skip layers", ", ".join(d.skip_layers) or "none")
+    head.add_row("two-level accumulation", d.two_level_accumulation.replace("_", " "))
+    head.add_row("scale source", d.scale_source.replace("_", " "))
+    head.add_row("attention backend", d.attention_backend or "vLLM's default")
+    how = realisation(d)
+    if how:
+        head.add_row("in vLLM", how)
+
+    est = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
+    est.add_column("estimate")
+    est.add_column("value")
+    est.add_column("basis", overflow="fold", max_width=70)
+    kinds = ", ".join(f"{k} {v:,}" for k, v in e.kv_bytes_per_token.items()) or "0"
+    kinds_bf16 = ", ".join(f"{k} {v:,}" for k, v in e.kv_bytes_per_token_bf16.items()) or "0"
+    est.add_row("KV bytes/token/rank", kinds, f"BF16: {kinds_bf16}")
+    est.add_row("KV capacity", _fmt(e.kv_capacity_tokens) + " tokens", e.kv_capacity_tokens.basis)
+    est.add_row(f"max concurrency @ {w.context_tokens:,}", _fmt(e.max_concurrency), e.max_concurrency.basis)
+    est.add_row("capacity vs BF16", _fmt(e.capacity_vs_bf16), e.capacity_vs_bf16.basis)
+    est.add_row("ITL slope vs BF16", _fmt(e.itl_slope_ratio, pct=True), e.itl_slope_ratio.basis)
+    est.add_row("break-even context", _fmt(e.break_even_tokens), e.break_even_tokens.basis)
+    est.add_row("accuracy recovery", _fmt(e.accuracy_recovery, pct=True), e.accuracy_recovery.basis)
+
+    title = (f"{rec.model} on {w.tp} x {rec.gpu}  ·  {w.context_tokens:,} tokens  ·  {w.priority}  ·  "
+             f"concurrency {w.concurrency}")
+    parts: list[Any] = [head, Text(""), est]
+    console.print(Panel(Group(*parts), title=title, subtitle=rec.policy, expand=False))
+    console.print(Text("vLLM command", style="bold"))
+    console.print("  " + shell_command(model_ref, rec.vllm_args), soft_wrap=True, highlight=False, markup=False)
+    for msg in rec.warnings:
+        console.print(Text("! ", style="bold yellow") + Text(msg), soft_wrap=True)
+    for msg in rec.alternatives:
+        console.print(Text("→ ", style="bold cyan") + Text(msg), soft_wrap=True)
+    _render_trace(console, rec, full=explain)
+
+
+def _render_trace(console: Any, rec: Recommendation, full: bool) -> None:
+    from rich.table import Table
+
+    fields = rec.trace.fields
+    decided = {fid: name for name, fid in ((n, f.decided_by) for n, f in fields.items())}
+    table = Table(title="rule trace" if full else "deciding rules", title_justify="left", box=None,
+                  header_style="bold", padding=(0, 1))
+    table.add_column("rule")
+    table.add_column("name")
+    table.add_column("")
+    table.add_column("decided")
+    table.add_column("reason", overflow="fold")
+    for o in rec.trace.rules:
+        if not full and not (o.decided or (o.matched and o.id in decided)):
+            continue
+        mark = "[green]✓[/]" if o.matched else "[dim]·[/]"
+        table.add_row(o.id, o.name, mark, ", ".join(o.decided) or ("(lost)" if o.overridden else ""), o.reason)
+    for name, f in fields.items():
+        if f.decided_by == "default" or f.decided_by.startswith("pin:"):
+            table.add_row(f.decided_by, name, "", name, f"value {f.value!r}")
+    console.print(table)
+    if not full:
+        console.print("[dim]Full trace: kvpolicy explain (same options); evidence: kvpolicy rule ID[/]")
+    else:
+        for ev in rec.evidence:
+            console.print(f"[bold]{ev.id}[/]: {ev.statement} [dim]({ev.source})[/]", soft_wrap=True)
+
+
+def echo(text: str) -> None:
+    """Print plain text to stdout."""
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")

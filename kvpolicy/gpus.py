@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +52,9 @@ class GpuSpec(BaseModel):
 
 def detect_gpu_names() -> list[str]:
     """Names of the local GPUs from nvidia-smi; raises InputError where there is none."""
+    import shutil
+    import subprocess
+
     exe = shutil.which("nvidia-smi")
     if exe is None:
         raise InputError(

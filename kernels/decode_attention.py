@@ -1,0 +1,462 @@
+"""Paged decode attention (flash-decoding) over BF16 and FP8 (e4m3) KV caches.
+
+One program handles one (KV head, split, sequence): the query heads of that KV
+head (its GQA group) are packed into the rows of one tile, so each K/V tile is
+read from HBM once per group. Splits cut the sequence into contiguous ranges
+so that small batches still fill the GPU; each split writes a partial output
+and its log-sum-exp, and `_decode_merge_kernel` combines them.
+
+Two orientations of the same math (`DecodeConfig.swap_ab`):
+- standard: S = Q.K^T with the padded group as M (16 rows). M = 16 is below
+  Hopper's wgmma minimum of 64, so Triton uses mma.sync; for FP8 operands it
+  upcasts them to fp16 there, which also means exact fp32 accumulation.
+- swapped: S^T = K.Q^T and O^T = V^T.P^T, so M is the KV tile (BLOCK_N) or the
+  head dim, both multiples of 64: wgmma, and for FP8 the fp8 wgmma whose
+  in-MMA accumulation keeps only about 14 mantissa bits. That is the form where
+  the two-level toggle matters.
+
+FP8 caches: K is upcast to bf16 for Q.K^T, or the query is quantised to e4m3
+per program (`fp8_query`) and the product runs in fp8. P.V always runs with P
+in e4m3 (scaled by `P_SCALE` first) against the stored V, as FA3 does.
+Scales fold into the math: k_scale (and the query's scale) into the logit
+scale, v_scale into the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpolicy.kernels.paged_store import fp8_e4m3_bits
+
+LOG2E = 1.4426950408889634
+P_SCALE = 256.0
+"""Softmax probabilities (<= 1) are multiplied by this before the e4m3 cast, so
+small ones land in e4m3's normal range (>= 2**-6) rather than its 3-value subnormals."""
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch configuration of the decode kernel; `default_config` picks one."""
+
+    block_n: int
+    """KV positions per tile (a multiple of 64 when `swap_ab`, so wgmma applies)."""
+    num_warps: int
+    """Warps per program."""
+    num_stages: int
+    """Software-pipelining depth of the KV loop."""
+    swap_ab: bool
+    """Compute S^T = K.Q^T and O^T = V^T.P^T (wgmma on Hopper) instead of Q.K^T and P.V."""
+    programs_per_sm: float
+    """Split-KV target: choose splits so that about this many programs run per SM."""
+    min_tokens_per_split: int = 512
+    """Never split a sequence into pieces shorter than this."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_config(head_dim: int, kv_fp8: bool, device: torch.device) -> DecodeConfig:
+    """Configuration for a head_dim and cache format: tuned on an H200, large tiles under the interpreter."""
+    if device.type != "cuda" or _interpreting():
+        # The interpreter runs programs one after another in numpy: few, large tiles.
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=1, swap_ab=False, programs_per_sm=1.0, min_tokens_per_split=128)
+    num_stages = 2 if head_dim >= 256 else 3
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=num_stages, swap_ab=True, programs_per_sm=2.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: DecodeConfig, device: torch.device) -> int:
+    """Splits per sequence: enough programs to fill the GPU, none shorter than `min_tokens_per_split`."""
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
+    want = -(-int(config.programs_per_sm * num_sms) // (batch * num_kv_heads))
+    cap = max(1, -(-max_context // max(config.min_tokens_per_split, config.block_n)))
+    return max(1, min(want, cap, 128))
+
+
+@triton.jit
+def _decode_attention_kernel(
+    # tensors
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    # scalars
+    sm_scale, window, num_splits,
+    # strides (last dimension contiguous everywhere)
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    # shapes
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    # features
+    KV_FP8: tl.constexpr,
+    FP8_QUERY: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr,
+    HAS_V_SCALE: tl.constexpr,
+    K_SCALE_STRIDE: tl.constexpr,
+    V_SCALE_STRIDE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    # how
+    TWO_LEVEL: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    first_tile = start // BLOCK_N
+    end_tile = (seq_len + BLOCK_N - 1) // BLOCK_N
+    # (tl.cdiv is not callable under the interpreter in Triton 3.9)
+    tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, end_tile)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < GROUP
+    q_head = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(q_ptr + seq * stride_qb + q_head[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    qk_scale = sm_scale * LOG2E
+    if HAS_K_SCALE:
+        qk_scale *= tl.load(k_scale_ptr + kv_head * K_SCALE_STRIDE)
+    if FP8_QUERY:
+        # One dynamic scale per program (its GQA group), computed here so the
+        # query needs no separate quantisation pass.
+        q_scale = tl.maximum(tl.max(tl.max(tl.abs(q), 1), 0) / 448.0, 1e-30)
+        q_op = fp8_e4m3_bits(tl.math.div_rn(q, q_scale)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        qk_scale *= q_scale
+    else:
+        q_op = q.to(tl.bfloat16)
+    if INTERPRET:
+        # The interpreter's bf16 tl.dot is wrong; fp8/bf16 values are exact in fp32.
+        q_op = q_op.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if SWAP_AB:
+        q_op = tl.trans(q_op)
+        acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+
+    bt_row = block_tables_ptr + seq * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_seq = offs_n < seq_len
+        valid = in_seq & (offs_n >= start)
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        k = tl.load(
+            k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0
+        )
+        v = tl.load(
+            v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0
+        )
+        if KV_FP8:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+            if not FP8_QUERY:
+                k = k.to(tl.bfloat16)
+        if INTERPRET:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        if SWAP_AB:
+            s = tl.dot(k, q_op)  # [BLOCK_N, BLOCK_H]
+            s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+            # Every tile holds at least one attended position, so m_new is finite.
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :]
+        else:
+            s = tl.dot(q_op, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+        m_i = m_new
+
+        if KV_FP8:
+            if INTERPRET:
+                # The interpreter's fp32 -> fp8 cast truncates; round exactly as the GPU does.
+                p_op = fp8_e4m3_bits(p * P_SCALE).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                p_op = (p * P_SCALE).to(tl.float8e4nv)
+        elif INTERPRET:
+            p_op = p  # fp32 dot: keeps the CPU check tight; the GPU rounds P to bf16
+        else:
+            p_op = p.to(v.dtype)
+
+        if SWAP_AB:
+            if TWO_LEVEL:
+                acc += tl.dot(tl.trans(v), p_op)
+            else:
+                acc = tl.dot(tl.trans(v), p_op, acc)
+        else:
+            if TWO_LEVEL:
+                acc += tl.dot(p_op, v)
+            else:
+                acc = tl.dot(p_op, v, acc)
+
+    out_scale = 1.0
+    if KV_FP8:
+        out_scale = 1.0 / P_SCALE
+    if HAS_V_SCALE:
+        out_scale = out_scale * tl.load(v_scale_ptr + kv_head * V_SCALE_STRIDE)
+
+    if IS_SPLIT:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = m_i + tl.log2(l_i)  # -inf for an empty split; the merge gives it weight 0
+        tl.store(part_lse_ptr + seq * stride_pb + q_head * stride_ph + split * stride_ps, lse, mask=h_mask)
+        part = part_out_ptr + seq * stride_pb * HEAD_DIM + split * stride_ps * HEAD_DIM
+        if SWAP_AB:
+            o = acc * (out_scale / l_safe)[None, :]
+            tl.store(part + q_head[None, :] * stride_ph * HEAD_DIM + offs_d[:, None], o, mask=h_mask[None, :])
+        else:
+            o = acc * (out_scale / l_safe)[:, None]
+            tl.store(part + q_head[:, None] * stride_ph * HEAD_DIM + offs_d[None, :], o, mask=h_mask[:, None])
+    else:
+        if HAS_SINKS:
+            # The sink logit joins the denominator only.
+            sink = tl.load(sinks_ptr + q_head, mask=h_mask, other=0.0) * LOG2E
+            m_fin = tl.maximum(m_i, sink)
+            corr = tl.exp2(m_i - m_fin)
+            l_i = l_i * corr + tl.exp2(sink - m_fin)
+            if SWAP_AB:
+                acc = acc * corr[None, :]
+            else:
+                acc = acc * corr[:, None]
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        dst = out_ptr + seq * stride_ob
+        if SWAP_AB:
+            o = acc * (out_scale / l_safe)[None, :]
+            tl.store(dst + q_head[None, :] * stride_oh + offs_d[:, None], o.to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
+        else:
+            o = acc * (out_scale / l_safe)[:, None]
+            tl.store(dst + q_head[:, None] * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr,
+    num_splits,
+    stride_pb, stride_ph, stride_ps,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + seq * stride_pb + head * stride_ph + offs_s * stride_ps, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
+    parts = tl.load(
+        part_out_ptr + (seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps) * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )
+    o = tl.sum(parts * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    if query.dim() != 3 or query.stride(-1) != 1:
+        raise ValueError(f"query: expected [batch, num_q_heads, head_dim] with a contiguous last dim, got {tuple(query.shape)}")
+    if query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"query: dtype {query.dtype}; expected bfloat16, float16 or float32")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dim() != 4 or c.stride(-1) != 1:
+            raise ValueError(f"{name}: expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(c.shape)}")
+        if c.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise ValueError(f"{name}: dtype {c.dtype} is not supported; expected bfloat16 or float8_e4m3fn")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError("key_cache and value_cache must have the same shape and dtype")
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {key_cache.shape[3]} != query head_dim {head_dim}")
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables: expected int32 [{batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables: the last dim must be contiguous")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens: expected int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.device != query.device:
+            raise ValueError(f"{name}: on {t.device}, query is on {query.device}")
+
+
+def _scale_stride(scale: torch.Tensor | None, name: str, num_kv_heads: int, device: torch.device) -> int:
+    if scale is None:
+        return 0
+    if scale.dtype != torch.float32 or scale.dim() != 1 or scale.shape[0] not in (1, num_kv_heads) or scale.device != device:
+        raise ValueError(f"{name}: expected float32 [1] or [{num_kv_heads}] on {device}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+    return 1 if scale.shape[0] == num_kv_heads and num_kv_heads > 1 else 0
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    two_level: bool = True,
+    fp8_query: bool = False,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over a paged KV cache; returns [batch, num_q_heads, head_dim].
+
+    `query` [batch, num_q_heads, head_dim]; query head h reads KV head
+    h // (num_q_heads // num_kv_heads). Sequence b attends to its first
+    `seq_lens[b]` positions, found through `block_tables[b]` (only the last
+    `sliding_window` of them when given). `sinks` (fp32 [num_q_heads]) are logits
+    that join the softmax denominator only. K/V dequantise as stored * scale.
+    `two_level` adds each tile's P.V into an fp32 accumulator (True) or carries
+    the accumulation inside the MMA (False). `fp8_query` quantises the query to
+    e4m3 (FP8 caches only). `num_splits` overrides the split-KV heuristic, which
+    uses the block table's capacity, not `seq_lens`, so the call needs no host
+    sync and can be captured in a CUDA graph. `out` (query dtype or float32) is
+    written in place and returned; otherwise a tensor of the query dtype is.
+    """
+    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens)
+    batch, num_q_heads, head_dim = query.shape
+    num_blocks, page_size, num_kv_heads, _ = key_cache.shape
+    device = query.device
+    kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8_query and not kv_fp8:
+        raise ValueError("fp8_query needs an FP8 cache; the bfloat16 path multiplies in bf16")
+    k_stride = _scale_stride(k_scale, "k_scale", num_kv_heads, device)
+    v_stride = _scale_stride(v_scale, "v_scale", num_kv_heads, device)
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,) or sinks.device != device):
+        raise ValueError(f"sinks: expected float32 [{num_q_heads}] on {device}, got {sinks.dtype} {tuple(sinks.shape)}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive number of positions, got {sliding_window}")
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype not in (query.dtype, torch.float32) or out.stride(-1) != 1 or out.device != device:
+        raise ValueError(f"out: expected {tuple(query.shape)} of {query.dtype} or float32 on {device}, got {out.dtype} {tuple(out.shape)}")
+    if batch == 0:
+        return out
+
+    cfg = config or default_config(head_dim, kv_fp8, device)
+    if cfg.swap_ab and cfg.block_n % 64:
+        raise ValueError(f"swap_ab needs block_n a multiple of 64, got {cfg.block_n}")
+    max_context = block_tables.shape[1] * page_size
+    if sliding_window is not None:
+        max_context = min(max_context, sliding_window + cfg.block_n)
+    splits = num_splits if num_splits is not None else choose_num_splits(batch, num_kv_heads, max_context, cfg, device)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    group = num_q_heads // num_kv_heads
+    is_split = splits > 1
+    if is_split:
+        part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
+        part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=device)
+    else:
+        part_out = part_lse = out  # unused
+    kc = key_cache.view(torch.uint8) if kv_fp8 else key_cache
+    vc = value_cache.view(torch.uint8) if kv_fp8 else value_cache
+    dummy = seq_lens
+    _decode_attention_kernel[(num_kv_heads, splits, batch)](
+        query, kc, vc, block_tables, seq_lens,
+        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
+        sinks if sinks is not None else dummy, out, part_out, part_lse,
+        float(head_dim**-0.5 if sm_scale is None else sm_scale), int(sliding_window or 0), splits,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        num_q_heads * splits, splits, 1,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg.block_n,
+        PAGE_SIZE=page_size,
+        KV_FP8=kv_fp8,
+        FP8_QUERY=fp8_query,
+        HAS_K_SCALE=k_scale is not None,
+        HAS_V_SCALE=v_scale is not None,
+        K_SCALE_STRIDE=k_stride,
+        V_SCALE_STRIDE=v_stride,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None and not is_split,
+        IS_SPLIT=is_split,
+        TWO_LEVEL=two_level,
+        SWAP_AB=cfg.swap_ab,
+        INTERPRET=_interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if is_split:
+        _decode_merge_kernel[(num_q_heads, batch)](
+            part_out, part_lse, sinks if sinks is not None else dummy, out,
+            splits,
+            num_q_heads * splits, splits, 1,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            HAS_SINKS=sinks is not None,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,185 @@
+"""The model and GPU catalogs: YAML data read once, and the names users type resolved.
+
+`resolve_model` takes a catalog id, an alias, a Hugging Face id (all
+case-insensitive) or a local config.json path; `resolve_gpu` takes an id, an alias,
+an nvidia-smi name, or `auto`. Unknown names raise InputError with close matches.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvpolicy.arch import ModelArch
+from kvpolicy.errors import InputError, did_you_mean
+from kvpolicy.gpus import GpuSpec, detect_gpu_names
+
+DATA_DIR = Path(__file__).parent / "data"
+MODELS_PATH = DATA_DIR / "models.yaml"
+"""The built-in model catalog."""
+GPUS_PATH = DATA_DIR / "gpus.yaml"
+"""The built-in GPU catalog."""
+
+_Spec = TypeVar("_Spec", ModelArch, GpuSpec)
+
+
+def load_models(path: Path = MODELS_PATH) -> dict[str, ModelArch]:
+    """Every catalog model by id, in file order (parsed once per process; do not mutate)."""
+    return _catalog(ModelArch, path)[0]
+
+
+def load_gpus(path: Path = GPUS_PATH) -> dict[str, GpuSpec]:
+    """Every catalog GPU by id, in file order (parsed once per process; do not mutate)."""
+    return _catalog(GpuSpec, path)[0]
+
+
+def resolve_model(spec: str, *, where: str = "--model") -> ModelArch:
+    """A catalog model by id, alias or HF id (case-insensitive), or a local config.json / its folder."""
+    text = spec.strip()
+    if not text:
+        raise InputError(
+            f"{where}: the model name is empty. Name a catalog model (`kvpolicy models` lists them) "
+            "or pass the path to a local config.json."
+        )
+    explicit_path = text.startswith(("/", "./", "../", "~")) or text.endswith(".json")
+    if not explicit_path:
+        models, index = _catalog(ModelArch, MODELS_PATH)
+        found = index.get(text.lower())
+        if found is not None:
+            return models[found]
+    path = Path(text).expanduser()
+    if path.exists():
+        from kvpolicy.hfconfig import load_hf_config
+
+        return load_hf_config(path)
+    if explicit_path:
+        raise InputError(
+            f"{where}: `{text}` looks like a path, but no such file or folder exists "
+            f"(relative paths start at {Path.cwd()}). Pass an existing config.json or the folder "
+            "holding it, or a catalog model name (`kvpolicy models`)."
+        )
+    models, _ = _catalog(ModelArch, MODELS_PATH)
+    hint = _suggest(text, list(models), _names(models.values()))
+    hub = (
+        " kvpolicy does not download configs: fetch it (e.g. `huggingface-cli download "
+        f"{text} config.json --local-dir DIR`) and pass DIR."
+        if "/" in text
+        else ""
+    )
+    raise InputError(
+        f"{where}: unknown model `{text}`.{hint} Run `kvpolicy models` to list the catalog, or pass "
+        f"the path to a local Hugging Face config.json (or the folder holding it).{hub}"
+    )
+
+
+def resolve_gpu(spec: str, *, where: str = "--gpu") -> GpuSpec:
+    """A catalog GPU by id, alias or nvidia-smi name (case-insensitive); `auto` detects the local GPU."""
+    text = spec.strip()
+    gpus, index = _catalog(GpuSpec, GPUS_PATH)
+    if text.lower() == "auto":
+        # Mixed machines are rare; the first GPU is the one vLLM uses by default.
+        name = detect_gpu_names()[0]
+        found = index.get(name.lower())
+        if found is not None:
+            return gpus[found]
+        bare = name.removeprefix("NVIDIA ").strip()
+        hint = _suggest(bare, list(gpus), _names(gpus.values()))
+        raise InputError(
+            f"{where} auto: nvidia-smi reports `{name}`, which is not in kvpolicy's GPU catalog.{hint} "
+            "Name the closest catalog GPU instead, e.g. `--gpu h100` (`kvpolicy gpus` lists them)."
+        )
+    found = index.get(text.lower()) if text else None
+    if found is not None:
+        return gpus[found]
+    hint = _suggest(text, list(gpus), _names(gpus.values())) if text else ""
+    raise InputError(
+        f"{where}: unknown GPU `{text}`.{hint} Run `kvpolicy gpus` to list the catalog, "
+        "or use `--gpu auto` to detect the local GPU with nvidia-smi."
+    )
+
+
+# -- loading ----------------------------------------------------------------------------
+
+
+@functools.cache
+def _catalog(kind: type[_Spec], path: Path) -> tuple[dict[str, _Spec], dict[str, str]]:
+    """(entries by id, lower-case name -> id) for one catalog file; every entry is validated."""
+    entries = _read_entries(path)
+    items = {key: _validated(kind, key, entry, path) for key, entry in entries.items()}
+    index: dict[str, str] = {}
+    for key, item in items.items():
+        for name in _names([item]):
+            other = index.setdefault(name.lower(), key)
+            if other != key:
+                raise InputError(
+                    f"{path}: entry `{key}`: the name `{name}` also belongs to entry `{other}`. "
+                    f"Every id, alias and {'hf_id' if kind is ModelArch else 'name'} must be unique; "
+                    "remove it from one of them."
+                )
+    return items, index
+
+
+def _read_entries(path: Path) -> dict[str, dict[str, Any]]:
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import YAMLError
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the catalog ({exc}). Reinstall kvpolicy or check the path.") from None
+    try:
+        data = YAML(typ="safe").load(text)
+    except YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"{at}: malformed YAML ({problem}). Fix the syntax there.") from None
+    if not isinstance(data, dict) or not data:
+        raise InputError(f"{path}: expected a mapping of catalog ids to entries, found {type(data).__name__}.")
+    for key, entry in data.items():
+        if not isinstance(key, str) or key != key.lower() or not key.strip():
+            raise InputError(f"{path}: catalog id {key!r} must be a non-empty lower-case string; rename it.")
+        if not isinstance(entry, dict):
+            raise InputError(f"{path}: entry `{key}` must be a mapping of fields, found {type(entry).__name__}.")
+    return data
+
+
+def _validated(kind: type[_Spec], key: str, entry: dict[str, Any], path: Path) -> _Spec:
+    from pydantic import ValidationError
+
+    if entry.get("id", key) != key:
+        raise InputError(f"{path}: entry `{key}` has `id: {entry['id']}`; drop `id`, the key is the id.")
+    try:
+        return kind(**{**entry, "id": key})
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors()[:6]:
+            field = ".".join(str(p) for p in err["loc"]) or "(entry)"
+            found = err.get("input")
+            shown = f" (found {found!r})" if not isinstance(found, dict) and err["type"] != "missing" else ""
+            problems.append(f"`{field}`: {err['msg']}{shown}")
+        allowed = ", ".join(kind.model_fields)
+        shorthand = " (plus the shorthands layer_pattern and kv_shared_from)" if kind is ModelArch else ""
+        raise InputError(
+            f"{path}: entry `{key}` is not a valid {kind.__name__}: {'; '.join(problems)}. "
+            f"Fix the entry; its fields are: {allowed}{shorthand}."
+        ) from None
+
+
+def _names(items: Any) -> list[str]:
+    """Every name an entry answers to: id, aliases, hf_id (models) or nvidia-smi name (GPUs)."""
+    out: list[str] = []
+    for item in items:
+        out.append(item.id)
+        out.extend(item.aliases)
+        extra = item.hf_id if isinstance(item, ModelArch) else item.name
+        if extra:
+            out.append(extra)
+    return out
+
+
+def _suggest(text: str, ids: list[str], names: list[str]) -> str:
+    """Close catalog ids first, then any close name; also tries the part after `org/`."""
+    tail = text.rsplit("/", 1)[-1]
+    return did_you_mean(text, ids) or did_you_mean(tail, ids) or did_you_mean(text, names)

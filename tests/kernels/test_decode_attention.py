@@ -1,0 +1,227 @@
+"""decode_attention against the float64 reference.
+
+Error is ||out - ref|| / ||ref|| over the whole output. Caches are filled by the
+torch reference store (independent of the store kernel) after being poisoned
+with NaN, and block tables point unused entries at NaN blocks, so any read of a
+position the sequence does not attend turns the output into NaN.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvpolicy.kernels.decode_attention import DecodeConfig, decode_attention
+from kvpolicy.kernels.paged_store import allocate_cache, compute_kv_scales
+from kvpolicy.kernels.reference import ref_decode_attention, ref_store_kv
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Tolerances, relative Frobenius error:
+# - BF16 cache on the interpreter: dots run in fp32 on exact bf16 inputs, so only
+#   fp32 rounding of exp2 and the sums remains (measured ~1e-6).
+# - BF16 cache on a GPU: P is rounded to bf16 (2**-9 relative) for the P.V MMA.
+# - FP8 cache: P is rounded to e4m3 (2**-4 relative per weight) for the P.V MMA;
+#   with V = 1 + noise the output error shrinks with the number of attended
+#   positions (measured below 4e-3 on these shapes).
+# - FP8 query: each query is rounded to e4m3 too, which moves the logits by ~2%.
+TOL_BF16 = 1e-4 if INTERPRET else 1e-2
+TOL_FP8 = 1.5e-2
+TOL_FP8_QUERY = 4e-2
+
+SWAPPED = DecodeConfig(block_n=64, num_warps=4, num_stages=1, swap_ab=True, programs_per_sm=1.0, min_tokens_per_split=64)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def make_case(
+    device: str,
+    seq_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype_name: str = "bfloat16",
+    block_size: int = 16,
+    per_head: bool | None = None,
+    value_offset: float = 0.0,
+) -> dict:
+    """A paged cache holding random K/V for each sequence, with scattered blocks and spare NaN blocks."""
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(blocks_per_seq) + 2
+    num_blocks = sum(blocks_per_seq) + 3
+    kc, vc = allocate_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype_name, device)
+    for c in (kc, vc):
+        if c.dtype == torch.float8_e4m3fn:
+            c.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
+        else:
+            c.fill_(float("nan"))
+    perm = torch.randperm(num_blocks)
+    poison = perm[-1].item()  # never written: NaN throughout
+    block_tables = torch.full((len(seq_lens), max_blocks), poison, dtype=torch.int32)
+    total = sum(seq_lens)
+    key = torch.randn(total, num_kv_heads, head_dim) * torch.linspace(0.5, 2.0, num_kv_heads)[:, None]
+    value = torch.randn(total, num_kv_heads, head_dim) * 0.5 + value_offset
+    slots, used, tok = [], 0, 0
+    for b, n in enumerate(seq_lens):
+        mine = perm[used : used + blocks_per_seq[b]]
+        used += blocks_per_seq[b]
+        block_tables[b, : len(mine)] = mine.int()
+        pos = torch.arange(n)
+        slots.append(mine[pos // block_size] * block_size + pos % block_size)
+        tok += n
+    key, value = key.to(device).bfloat16(), value.to(device).bfloat16()
+    k_scale = v_scale = None
+    if per_head is not None:
+        k_scale, v_scale = compute_kv_scales(key, value, per_head)
+    ref_store_kv(key, value, kc, vc, torch.cat(slots).to(device), k_scale, v_scale)
+    query = (torch.randn(len(seq_lens), num_q_heads, head_dim) * 1.5).to(device).bfloat16()
+    return dict(
+        query=query,
+        key_cache=kc,
+        value_cache=vc,
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+
+
+def run_and_check(case: dict, tol: float, **kwargs) -> float:
+    inputs = dict(case)
+    out = torch.full(inputs["query"].shape, float("nan"), dtype=torch.float32, device=inputs["query"].device)
+    got = decode_attention(**inputs, out=out, **kwargs)
+    assert got is out
+    ref = ref_decode_attention(**inputs, **kwargs)
+    assert not out.isnan().any(), "unwritten output or a read of an unattended (NaN) position"
+    err = rel_err(out, ref)
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+    return err
+
+
+SEQ_LENS = [1, 37, 300]  # one token; partly filled last block; several tiles
+SINKS = object()  # marker: draw sinks for the case
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("window, sinks, num_splits", [(None, None, 1), (48, SINKS, 3), (None, SINKS, None), (200, None, 2)])
+def test_bf16_matches_reference(device: str, head_dim: int, swap_ab: bool, window, sinks, num_splits) -> None:
+    case = make_case(device, SEQ_LENS, num_q_heads=8, num_kv_heads=2, head_dim=head_dim)
+    if sinks is SINKS:
+        sinks = torch.randn(8, device=device) * 2
+    config = SWAPPED if swap_ab else None
+    run_and_check(case, TOL_BF16, sliding_window=window, sinks=sinks, num_splits=num_splits, config=config)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_fp8_matches_reference(device: str, head_dim: int, per_head: bool, swap_ab: bool) -> None:
+    case = make_case(device, SEQ_LENS, 16, 2, head_dim, "fp8", per_head=per_head, value_offset=1.0)
+    sinks = torch.randn(16, device=device)
+    config = SWAPPED if swap_ab else None
+    run_and_check(case, TOL_FP8, sinks=sinks, num_splits=2, config=config)
+    run_and_check(case, TOL_FP8, sliding_window=40, num_splits=1, config=config)
+
+
+@pytest.mark.parametrize("two_level", [True, False])
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_fp8_query_and_two_level(device: str, two_level: bool, swap_ab: bool) -> None:
+    case = make_case(device, [53, 261], 8, 1, 128, "fp8", per_head=True, value_offset=1.0)
+    config = SWAPPED if swap_ab else None
+    run_and_check(case, TOL_FP8, two_level=two_level, num_splits=1, config=config)
+    run_and_check(case, TOL_FP8_QUERY, two_level=two_level, fp8_query=True, num_splits=2, config=config)
+
+
+def test_two_level_toggle_is_the_same_function(device: str) -> None:
+    """Off and on differ only in how the MMA accumulates; short contexts agree closely."""
+    case = make_case(device, [300], 4, 1, 64, "fp8", per_head=False, value_offset=1.0)
+    on = decode_attention(**case, two_level=True, num_splits=1)
+    off = decode_attention(**case, two_level=False, num_splits=1)
+    # Both round P to e4m3 identically; only accumulation order/precision differs.
+    assert rel_err(off.float(), on.double()) < (1e-6 if INTERPRET else 5e-3)
+
+
+def test_splits_agree(device: str) -> None:
+    """The log-sum-exp merge reproduces the unsplit result, sinks included."""
+    case = make_case(device, [700, 5, 129], 4, 2, 64)
+    sinks = torch.randn(4, device=device)
+    whole = decode_attention(**case, sinks=sinks, num_splits=1, out=torch.empty(3, 4, 64, device=device))
+    for splits in (2, 5, 16):  # 16 leaves empty splits for the short sequences
+        part = decode_attention(**case, sinks=sinks, num_splits=splits, out=torch.empty(3, 4, 64, device=device))
+        assert rel_err(part, whole.double()) < (1e-5 if INTERPRET else 5e-3)  # fp32 merge vs fp32 single pass
+
+
+def test_empty_sequence_and_gqa_groups(device: str) -> None:
+    """An empty sequence yields zeros; MHA (group 1) and a wide group (16) both map heads right."""
+    for q_heads, kv_heads in ((3, 3), (32, 2)):
+        case = make_case(device, [0, 19], q_heads, kv_heads, 64)
+        err = run_and_check(case, TOL_BF16, sinks=torch.zeros(q_heads, device=device), num_splits=2)
+        out = decode_attention(**case, num_splits=1)
+        assert (out[0] == 0).all()
+        assert err <= TOL_BF16
+
+
+def test_query_dtypes_and_outputs(device: str) -> None:
+    case = make_case(device, [77], 4, 1, 64)
+    q32 = case["query"].float()
+    out = decode_attention(**{**case, "query": q32})
+    assert out.dtype == torch.float32
+    out16 = decode_attention(**case)
+    assert out16.dtype == torch.bfloat16
+    ref = ref_decode_attention(**case)
+    assert rel_err(out16, ref) < 1e-2  # bf16 output rounding (2**-9), truncated under the interpreter
+
+
+def test_rejects_bad_inputs(device: str) -> None:
+    case = make_case(device, [20], 4, 2, 64)
+    with pytest.raises(ValueError, match="fp8_query"):
+        decode_attention(**case, fp8_query=True)
+    with pytest.raises(ValueError, match="block_tables"):
+        decode_attention(**{**case, "block_tables": case["block_tables"].long()})
+    with pytest.raises(ValueError, match="num_q_heads"):
+        decode_attention(**{**case, "query": case["query"][:, :3].contiguous()})
+    with pytest.raises(ValueError, match="sinks"):
+        decode_attention(**case, sinks=torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="k_scale"):
+        decode_attention(**case, k_scale=torch.ones(5, device=device))
+    with pytest.raises(ValueError, match="sliding_window"):
+        decode_attention(**case, sliding_window=0)
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("geometry", ["llama", "gpt-oss"])
+def test_gpu_realistic_shapes(device: str, fmt: str, geometry: str) -> None:
+    """Llama-3.1-8B and gpt-oss-20b layer shapes, mixed lengths up to 9k, default splits."""
+    q_heads, kv_heads, head_dim = (32, 8, 128) if geometry == "llama" else (64, 8, 64)
+    case = make_case(device, [1, 1000, 4099, 9001], q_heads, kv_heads, head_dim, fmt,
+                     per_head=True if fmt == "fp8" else None, value_offset=1.0 if fmt == "fp8" else 0.0)
+    sinks = torch.randn(q_heads, device=device) if geometry == "gpt-oss" else None
+    tol = TOL_FP8 if fmt == "fp8" else TOL_BF16
+    run_and_check(case, tol, sinks=sinks)
+    run_and_check(case, tol, sinks=sinks, sliding_window=128)
+    if fmt == "fp8":
+        run_and_check(case, TOL_FP8_QUERY, sinks=sinks, fp8_query=True)
+
+
+@pytest.mark.gpu
+def test_gpu_two_level_bounds_long_context_error(device: str) -> None:
+    """Positive-weighted P.V over 128k positions in one split: two-level keeps the error flat."""
+    errs = {}
+    for n in (4096, 131072):
+        case = make_case(device, [n], 8, 1, 128, "fp8", per_head=True, value_offset=1.0)
+        ref = ref_decode_attention(**case)
+        for two_level in (True, False):
+            out = decode_attention(**case, two_level=two_level, num_splits=1, out=torch.empty(1, 8, 128, device=device))
+            errs[n, two_level] = rel_err(out, ref)
+    print("two-level errors:", {k: f"{v:.2e}" for k, v in errs.items()})
+    assert errs[131072, True] <= 2 * errs[4096, True]
+    assert errs[131072, True] < 1e-2

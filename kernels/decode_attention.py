@@ -34,8 +34,8 @@ import triton.language as tl
 
 from kvpolicy.kernels.paged_store import fp8_e4m3_bits
 
-LOG2E = 1.4426950408889634
-P_SCALE = 256.0
+LOG2E = tl.constexpr(1.4426950408889634)
+P_SCALE = tl.constexpr(256.0)
 """Softmax probabilities (<= 1) are multiplied by this before the e4m3 cast, so
 small ones land in e4m3's normal range (>= 2**-6) rather than its 3-value subnormals."""
 
@@ -195,7 +195,6 @@ def _decode_attention_kernel(
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
             acc = acc * alpha[None, :]
         else:
             s = tl.dot(q_op, tl.trans(k))  # [BLOCK_H, BLOCK_N]
@@ -203,7 +202,6 @@ def _decode_attention_kernel(
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
         m_i = m_new
 
@@ -213,10 +211,21 @@ def _decode_attention_kernel(
                 p_op = fp8_e4m3_bits(p * P_SCALE).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 p_op = (p * P_SCALE).to(tl.float8e4nv)
-        elif INTERPRET:
-            p_op = p  # fp32 dot: keeps the CPU check tight; the GPU rounds P to bf16
+            # The denominator sums the rounded weights the MMA multiplies (in
+            # P_SCALE units), so e4m3's rounding, and its flush of the tiny
+            # weights of a long tail, cancels between numerator and denominator
+            # instead of shrinking the output.
+            p_w = p_op.to(tl.float32)
         else:
-            p_op = p.to(v.dtype)
+            if INTERPRET:
+                p_op = p  # fp32 dot: keeps the CPU check tight; the GPU rounds P to bf16
+            else:
+                p_op = p.to(v.dtype)
+            p_w = p
+        if SWAP_AB:
+            l_i = l_i * alpha + tl.sum(p_w, 0)
+        else:
+            l_i = l_i * alpha + tl.sum(p_w, 1)
 
         if SWAP_AB:
             if TWO_LEVEL:
@@ -232,6 +241,7 @@ def _decode_attention_kernel(
     out_scale = 1.0
     if KV_FP8:
         out_scale = 1.0 / P_SCALE
+        l_i = l_i * (1.0 / P_SCALE)
     if HAS_V_SCALE:
         out_scale = out_scale * tl.load(v_scale_ptr + kv_head * V_SCALE_STRIDE)
 

@@ -55,10 +55,10 @@ def _tq_decode_kernel(
     # scalars
     q_scale, rot_scale, window,
     # strides (query/out in elements, cache in bytes)
-    stride_qb, stride_qh, stride_cblk, stride_ctok, stride_btb, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     # geometry and layout
     NUM_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLOT: tl.constexpr,
-    PAGE: tl.constexpr, KEY_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    PAGE: tl.constexpr, STRIDE_BLK: tl.constexpr, STRIDE_TOK: tl.constexpr, KEY_BITS: tl.constexpr, V_BITS: tl.constexpr,
     V_OFF: tl.constexpr, KNORM_OFF: tl.constexpr, VSCALE_OFF: tl.constexpr, VZERO_OFF: tl.constexpr,
     # tiling and options
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -73,8 +73,10 @@ def _tq_decode_kernel(
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = start + pid_s * per_split
+    # splits and tiles are aligned to BLOCK_N (which divides PAGE) so that a tile never straddles pages
+    first = (start // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + pid_s * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -123,9 +125,12 @@ def _tq_decode_kernel(
 
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        page = tl.load(block_tables_ptr + b * stride_btb + offs_n // PAGE, mask=n_mask, other=0)
-        row = page.to(tl.int64) * stride_cblk + (offs_n % PAGE) * stride_ctok + kvh * SLOT
+        n_mask = (offs_n < hi) & (offs_n >= start)
+        # one page per tile: a scalar 64-bit base plus compile-time row offsets, so every load
+        # is `LDG [base + imm]` instead of a 64-bit address computation per row
+        page = tl.load(block_tables_ptr + b * stride_btb + n0 // PAGE)
+        base = page.to(tl.int64) * STRIDE_BLK + (n0 % PAGE) * STRIDE_TOK + kvh * SLOT
+        row = base + tl.arange(0, BLOCK_N) * STRIDE_TOK
         row_p = cache_u8_ptr + row[:, None]
         ld_mask = n_mask[:, None]
 
@@ -282,8 +287,8 @@ def decode_attention_tq(
     hkv = cache.shape[2]
     if hq % hkv:
         raise ValueError(f"q_heads {hq} is not a multiple of kv_heads {hkv}")
-    if cache.stride(3) != 1 or cache.stride(2) != lay.slot_bytes:
-        raise ValueError("cache slots of one token must be contiguous ([..., kv_heads, slot_bytes] row-major)")
+    if not cache.is_contiguous():
+        raise ValueError("cache must be contiguous (its strides are compiled into the kernel)")
     if block_tables.dim() != 2 or block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
         raise ValueError(f"block_tables [B, max_blocks] and seq_lens [B] must match batch {bsz}")
     if query.stride(-1) != 1:
@@ -311,9 +316,10 @@ def decode_attention_tq(
         query, cache, cache.view(torch.float16), block_tables, seq_lens,
         tabs["rot_t_sign_f16"], tabs["codebook_unit_f16"], sinks_arg, out, part_o, part_lse,
         scale * LOG2E, 1.0 / d, sliding_window or 0,
-        query.stride(0), query.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
+        query.stride(0), query.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_KV=hkv, GROUP=group, HEAD_DIM=d, SLOT=lay.slot_bytes, PAGE=page,
+        STRIDE_BLK=cache.stride(0), STRIDE_TOK=cache.stride(1),
         KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0),
         VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,

@@ -7,6 +7,7 @@ copy of vLLM's formula (vLLM v1 `kv_cache_interface`).
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -98,16 +99,30 @@ class ModelArch(BaseModel):
 
     # -- derived ---------------------------------------------------------------------------
 
+    @cached_property
+    def kind_counts(self) -> dict[str, int]:
+        """Number of layers of each kind."""
+        counts: dict[str, int] = {}
+        for t in self.layer_types:
+            counts[t] = counts.get(t, 0) + 1
+        return counts
+
     def count(self, kind: LayerKind) -> int:
         """Number of layers of one kind."""
-        return sum(1 for t in self.layer_types if t == kind)
+        return self.kind_counts.get(kind, 0)
 
-    @property
+    @cached_property
+    def max_head_dim(self) -> int:
+        """Largest key head dimension over the layers that hold a GQA/MHA cache."""
+        dims = [self.head_dims(i)[0] for i in self.kv_layer_indices if self.layer_types[i] != "mla"]
+        return max(dims) if dims else self.head_dim
+
+    @cached_property
     def kv_layer_indices(self) -> list[int]:
         """Layers that hold a per-token KV cache of their own."""
         return [i for i, t in enumerate(self.layer_types) if t in ("full", "sliding", "mla")]
 
-    @property
+    @cached_property
     def is_hybrid(self) -> bool:
         """True when layers of more than one cache kind exist (sliding, linear or shared beside full)."""
         return len({t for t in self.layer_types if t != "shared"}) > 1

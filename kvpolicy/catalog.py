@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvpolicy.arch import ModelArch
-from kvpolicy.errors import InputError, did_you_mean
+from kvpolicy.errors import InputError
 from kvpolicy.gpus import GpuSpec, detect_gpu_names
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -34,20 +34,27 @@ def load_gpus(path: Path = GPUS_PATH) -> dict[str, GpuSpec]:
     return _catalog(GpuSpec, path)[0]
 
 
-def resolve_model(spec: str, *, where: str = "--model") -> ModelArch:
-    """A catalog model by id, alias or HF id (case-insensitive), or a local config.json / its folder."""
+def resolve_model(spec: str, *, where: str = "--model", allow_paths: bool = True) -> ModelArch:
+    """A catalog model by id, alias or HF id (case-insensitive), or a local config.json / its folder.
+
+    `allow_paths=False` (the HTTP service) resolves catalog names only and never touches the file system.
+    """
     text = spec.strip()
     if not text:
         raise InputError(
             f"{where}: the model name is empty. Name a catalog model (`kvpolicy models` lists them) "
             "or pass the path to a local config.json."
         )
-    explicit_path = text.startswith(("/", "./", "../", "~")) or text.endswith(".json")
+    explicit_path = allow_paths and (text.startswith(("/", "./", "../", "~")) or text.endswith(".json"))
     if not explicit_path:
         models, index = _catalog(ModelArch, MODELS_PATH)
         found = index.get(text.lower())
         if found is not None:
             return models[found]
+    if not allow_paths:
+        hint = _suggest(text, index)
+        raise InputError(f"{where}: unknown model `{text}`.{hint} Name a catalog model (`kvpolicy models` "
+                         "lists them); local config.json paths are not accepted here.")
     path = Path(text).expanduser()
     if path.exists():
         from kvpolicy.hfconfig import load_hf_config
@@ -59,8 +66,7 @@ def resolve_model(spec: str, *, where: str = "--model") -> ModelArch:
             f"(relative paths start at {Path.cwd()}). Pass an existing config.json or the folder "
             "holding it, or a catalog model name (`kvpolicy models`)."
         )
-    models, _ = _catalog(ModelArch, MODELS_PATH)
-    hint = _suggest(text, list(models), _names(models.values()))
+    hint = _suggest(text, _catalog(ModelArch, MODELS_PATH)[1])
     hub = (
         " kvpolicy does not download configs: fetch it (e.g. `huggingface-cli download "
         f"{text} config.json --local-dir DIR`) and pass DIR."
@@ -84,7 +90,7 @@ def resolve_gpu(spec: str, *, where: str = "--gpu") -> GpuSpec:
         if found is not None:
             return gpus[found]
         bare = name.removeprefix("NVIDIA ").strip()
-        hint = _suggest(bare, list(gpus), _names(gpus.values()))
+        hint = _suggest(bare, index)
         raise InputError(
             f"{where} auto: nvidia-smi reports `{name}`, which is not in kvpolicy's GPU catalog.{hint} "
             "Name the closest catalog GPU instead, e.g. `--gpu h100` (`kvpolicy gpus` lists them)."
@@ -92,7 +98,7 @@ def resolve_gpu(spec: str, *, where: str = "--gpu") -> GpuSpec:
     found = index.get(text.lower()) if text else None
     if found is not None:
         return gpus[found]
-    hint = _suggest(text, list(gpus), _names(gpus.values())) if text else ""
+    hint = _suggest(text, index) if text else ""
     raise InputError(
         f"{where}: unknown GPU `{text}`.{hint} Run `kvpolicy gpus` to list the catalog, "
         "or use `--gpu auto` to detect the local GPU with nvidia-smi."
@@ -179,7 +185,18 @@ def _names(items: Any) -> list[str]:
     return out
 
 
-def _suggest(text: str, ids: list[str], names: list[str]) -> str:
-    """Close catalog ids first, then any close name; also tries the part after `org/`."""
-    tail = text.rsplit("/", 1)[-1]
-    return did_you_mean(text, ids) or did_you_mean(tail, ids) or did_you_mean(text, names)
+def _suggest(text: str, index: dict[str, str]) -> str:
+    """' Did you mean `id`, ...?' for entries with a name close to `text` (or to its part after `org/`)."""
+    import difflib
+
+    word = text.lower()
+    tail = word.rsplit("/", 1)[-1]
+    names = list(index)
+    close = difflib.get_close_matches(word, names, n=12, cutoff=0.5) or difflib.get_close_matches(
+        tail, names, n=12, cutoff=0.5
+    )
+    if not close and tail:
+        # Substring matches catch short names such as `llama` -> every llama entry.
+        close = [n for n in names if tail in n]
+    ids = list(dict.fromkeys(index[n] for n in close))[:3]
+    return (" Did you mean " + ", ".join(f"`{i}`" for i in ids) + "?") if ids else ""

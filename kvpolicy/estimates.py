@@ -32,14 +32,21 @@ LONG_CONTEXT_TOKENS = 131072
 
 @dataclass(frozen=True)
 class Layout:
-    """A KV format per layer for one deployment."""
+    """A KV format per layer for one deployment, with its byte counts precomputed."""
 
     arch: ModelArch
     formats: tuple[KvFormat, ...]
+    tp: int = 1
+    by_kind: tuple[tuple[str, int], ...] = ()
+    """Bytes per token per rank summed over the layers of each kind."""
 
     @classmethod
-    def of(cls, arch: ModelArch, dtype: str, skip_layers: list[str] | tuple[str, ...] = ()) -> Layout:
+    def of(cls, arch: ModelArch, dtype: str, skip_layers: list[str] | tuple[str, ...] = (), tp: int = 1) -> Layout:
         """Per-layer formats for a dtype, honouring skip layers (and TurboQuant's boundary layers)."""
+        key = (id(arch), dtype, tuple(skip_layers), tp)
+        hit = _LAYOUTS.get(key)
+        if hit is not None and hit.arch is arch:
+            return hit
         chosen = FORMATS[dtype]
         bf16 = FORMATS["auto"]
         skip_idx = {int(s) for s in skip_layers if str(s).isdigit()}
@@ -53,35 +60,42 @@ class Layout:
             if chosen.kind == "turboquant" and kind == "mla":
                 keep = True
             formats.append(bf16 if keep else chosen)
-        return cls(arch, tuple(formats))
-
-    def bytes_by_kind(self, tp: int) -> dict[str, int]:
-        """Bytes per token per rank, summed over the layers of each kind that hold KV."""
-        out: dict[str, int] = {}
-        for i, kind in enumerate(self.arch.layer_types):
-            b = layer_kv_bytes_per_token(self.arch, i, self.formats[i], tp)
+        by_kind: dict[str, int] = {}
+        for i, kind in enumerate(arch.layer_types):
+            b = layer_kv_bytes_per_token(arch, i, formats[i], tp)
             if b:
-                out[kind] = out.get(kind, 0) + b
-        return out
+                by_kind[kind] = by_kind.get(kind, 0) + b
+        layout = cls(arch, tuple(formats), tp, tuple(by_kind.items()))
+        # Layouts are pure functions of their key; the arch reference keeps id() unique.
+        _LAYOUTS[key] = layout
+        return layout
 
-    def bytes_per_token(self, tp: int) -> int:
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes per token per rank, summed over the layers of each kind that hold KV."""
+        return dict(self.by_kind)
+
+    def bytes_per_token(self) -> int:
         """Bytes per token per rank over all KV-holding layers."""
-        return sum(self.bytes_by_kind(tp).values())
+        return sum(b for _, b in self.by_kind)
 
-    def request_bytes(self, tp: int, context_tokens: int) -> int:
+    def request_bytes(self, context_tokens: int) -> int:
         """Bytes one request at a context length holds per rank (sliding layers capped)."""
-        return sum(
-            layer_kv_bytes_per_token(self.arch, i, self.formats[i], tp) * tokens_held(self.arch, i, context_tokens)
-            for i in range(self.arch.num_layers)
-        )
+        total = 0
+        for kind, b in self.by_kind:
+            if kind == "sliding":
+                # Every sliding layer holds the same number of tokens (one window bound).
+                first = self.arch.layer_types.index("sliding")
+                total += b * tokens_held(self.arch, first, context_tokens)
+            else:
+                total += b * context_tokens
+        return total
 
-    def growing_bytes(self, tp: int) -> int:
+    def growing_bytes(self) -> int:
         """Bytes read per extra token of context at long context (sliding layers stop growing)."""
-        return sum(
-            layer_kv_bytes_per_token(self.arch, i, self.formats[i], tp)
-            for i, kind in enumerate(self.arch.layer_types)
-            if kind in ("full", "mla")
-        ) or self.bytes_per_token(tp)
+        return sum(b for kind, b in self.by_kind if kind in ("full", "mla")) or self.bytes_per_token()
+
+
+_LAYOUTS: dict[tuple[int, str, tuple[str, ...], int], Layout] = {}
 
 
 def kv_budget_bytes(arch: ModelArch, gpu: GpuSpec, workload: Workload) -> float:
@@ -92,7 +106,7 @@ def kv_budget_bytes(arch: ModelArch, gpu: GpuSpec, workload: Workload) -> float:
 
 def max_concurrency(layout: Layout, budget: float, workload: Workload) -> int:
     """Requests at the workload's context that fit in the budget."""
-    per_request = layout.request_bytes(workload.tp, workload.context_tokens)
+    per_request = layout.request_bytes(workload.context_tokens)
     if budget <= 0 or per_request <= 0:
         return 0
     return int(budget // per_request)
@@ -134,8 +148,8 @@ def slope_ratio(policy: Policy, arch: ModelArch, gpu: GpuSpec, layout: Layout, d
         return Estimate(value=None, unit="ratio", provenance="modelled",
                         basis="vLLM's TurboQuant decode dequantizes to BF16 before attention: measured 10-68% "
                               "added latency, no slope published (evidence `turboquant-latency`)")
-    bf16 = Layout.of(arch, "auto")
-    byte_ratio = layout.growing_bytes(tp) / bf16.growing_bytes(tp)
+    bf16 = Layout.of(arch, "auto", (), tp)
+    byte_ratio = layout.growing_bytes() / bf16.growing_bytes()
     overhead = resolve_threshold(policy, "fp8_slope_overhead", facts) or 1.0
     r = min(1.0, byte_ratio * overhead)
     return Estimate(value=round(r, 3), unit="ratio", provenance="modelled",
@@ -177,12 +191,11 @@ def recovery(policy: Policy, dtype: str, context_tokens: int) -> Estimate:
         return Estimate(value=1.0, unit="ratio", provenance="modelled", basis="BF16 is the baseline")
     best: tuple[int, float, str] | None = None
     names = {dtype, "fp8"} if dtype in ("fp8", "fp8_e4m3") else {dtype}
-    for ev in policy.evidence:
-        for rec in ev.recovery:
-            if rec.dtype in names and rec.max_context_tokens >= context_tokens:
-                cand = (rec.max_context_tokens, rec.value, ev.id)
-                if best is None or cand[:2] < best[:2]:
-                    best = cand
+    for max_ctx, value, ev_id, rec_dtype in _recoveries(policy):
+        if rec_dtype in names and max_ctx >= context_tokens:
+            cand = (max_ctx, value, ev_id)
+            if best is None or cand[:2] < best[:2]:
+                best = cand
     if best is None:
         return Estimate(value=None, unit="ratio", provenance="modelled",
                         basis=f"no published accuracy figure for {dtype} at {context_tokens} tokens; "
@@ -191,31 +204,44 @@ def recovery(policy: Policy, dtype: str, context_tokens: int) -> Estimate:
                     basis=f"evidence `{best[2]}` (uncalibrated scales; lowest figure up to {best[0]} tokens)")
 
 
+def _recoveries(policy: Policy) -> list[tuple[int, float, str, str]]:
+    """(max context, value, evidence id, dtype) of every recovery figure, cached per policy object."""
+    hit = _RECOVERIES.get(id(policy))
+    if hit is None or hit[0] is not policy:
+        rows = [(r.max_context_tokens, r.value, ev.id, r.dtype) for ev in policy.evidence for r in ev.recovery]
+        hit = (policy, rows)
+        _RECOVERIES[id(policy)] = hit
+    return hit[1]
+
+
+_RECOVERIES: dict[int, tuple[Policy, list[tuple[int, float, str, str]]]] = {}
+
+
 def estimate(policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload, decision: Decision,
              facts: dict[str, Any]) -> Estimates:
     """All estimates for a decision."""
     tp = workload.tp
-    layout = Layout.of(arch, decision.kv_cache_dtype, decision.skip_layers)
-    bf16 = Layout.of(arch, "auto")
+    layout = Layout.of(arch, decision.kv_cache_dtype, decision.skip_layers, tp)
+    bf16 = Layout.of(arch, "auto", (), tp)
     budget = kv_budget_bytes(arch, gpu, workload)
     budget_basis = (f"{gpu.memory_gib:g} GiB x {workload.gpu_memory_utilization:g} - weights "
                     f"{arch.weight_bytes / 1e9:.1f} GB / tp {tp} - reserve {RUNTIME_RESERVE_GIB:g} GiB "
                     f"= {budget / GIB:.1f} GiB per rank")
 
     def capacity(l: Layout) -> int:
-        return max(0, int(budget // l.bytes_per_token(tp)))
+        return max(0, int(budget // l.bytes_per_token()))
 
     cap, cap_bf16 = capacity(layout), capacity(bf16)
     conc, conc_bf16 = max_concurrency(layout, budget, workload), max_concurrency(bf16, budget, workload)
-    per_req = layout.request_bytes(tp, workload.context_tokens)
-    per_req_bf16 = bf16.request_bytes(tp, workload.context_tokens)
+    per_req = layout.request_bytes(workload.context_tokens)
+    per_req_bf16 = bf16.request_bytes(workload.context_tokens)
     return Estimates(
-        kv_bytes_per_token=layout.bytes_by_kind(tp),
-        kv_bytes_per_token_bf16=bf16.bytes_by_kind(tp),
+        kv_bytes_per_token=layout.bytes_by_kind(),
+        kv_bytes_per_token_bf16=bf16.bytes_by_kind(),
         kv_capacity_tokens=Estimate(value=cap, unit="tokens", provenance="modelled",
-                                    basis=f"{budget_basis} / {layout.bytes_per_token(tp)} bytes per token"),
+                                    basis=f"{budget_basis} / {layout.bytes_per_token():,} bytes per token"),
         kv_capacity_tokens_bf16=Estimate(value=cap_bf16, unit="tokens", provenance="modelled",
-                                         basis=f"{budget_basis} / {bf16.bytes_per_token(tp)} bytes per token"),
+                                         basis=f"{budget_basis} / {bf16.bytes_per_token():,} bytes per token"),
         capacity_vs_bf16=Estimate(value=round(per_req_bf16 / per_req, 3) if per_req else None, unit="ratio",
                                   provenance="modelled",
                                   basis=f"bytes per request at {workload.context_tokens} tokens: "

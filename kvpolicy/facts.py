@@ -68,13 +68,12 @@ FACTS: dict[str, str] = {
 
 def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Policy) -> dict[str, Any]:
     """Facts for one deployment (decision.* facts are added by the engine as it decides)."""
-    kv_dims = [arch.head_dims(i)[0] for i in arch.kv_layer_indices if arch.layer_types[i] != "mla"]
     f: dict[str, Any] = {
         "model.id": arch.id,
         "model.family": arch.family,
         "model.attention": arch.attention,
         "model.head_dim": arch.head_dim,
-        "model.max_head_dim": max(kv_dims) if kv_dims else arch.head_dim,
+        "model.max_head_dim": arch.max_head_dim,
         "model.num_layers": arch.num_layers,
         "model.num_kv_heads": arch.num_kv_heads,
         "model.num_full_layers": arch.count("full"),
@@ -102,14 +101,14 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
     f["memory.weights_fit"] = budget > 0
     conc = {}
     for dtype in ("auto", "fp8", "turboquant_4bit_nc"):
-        conc[dtype] = max_concurrency(Layout.of(arch, dtype), budget, workload)
+        conc[dtype] = max_concurrency(Layout.of(arch, dtype, (), workload.tp), budget, workload)
     f["memory.max_concurrency_bf16"] = conc["auto"]
     f["memory.max_concurrency_fp8"] = conc["fp8"]
     f["memory.max_concurrency_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"]
     f["memory.fits_bf16"] = conc["auto"] >= workload.concurrency
     f["memory.fits_fp8"] = conc["fp8"] >= workload.concurrency
     f["memory.fits_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"] >= workload.concurrency
-    need = Layout.of(arch, "auto").request_bytes(workload.tp, workload.context_tokens) * workload.concurrency
+    need = Layout.of(arch, "auto", (), workload.tp).request_bytes(workload.context_tokens) * workload.concurrency
     f["memory.pressure_bf16"] = round(need / budget, 3) if budget > 0 else None
 
     be_all = break_even(policy, arch, gpu, "fp8", [], f).value

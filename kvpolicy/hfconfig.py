@@ -164,9 +164,10 @@ def arch_from_hf_config(config: dict[str, Any], model_id: str, source: str) -> M
     num_layers = _positive_int(cfg, "num_hidden_layers", where)
     num_heads = _positive_int(cfg, "num_attention_heads", where)
     num_kv_heads = _positive_int(cfg, "num_key_value_heads", where) if cfg.get("num_key_value_heads") else num_heads
+    family = _FAMILIES.get(str(config.get("model_type") or ""), _FAMILIES.get(model_type, model_type.replace("_", "-")))
     fields: dict[str, Any] = {
         "id": model_id,
-        "family": _FAMILIES.get(str(config.get("model_type") or ""), _FAMILIES.get(model_type, model_type.replace("_", "-"))),
+        "family": family,
         "num_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_kv_heads": num_kv_heads,

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from kvpolicy.arch import ModelArch
-from kvpolicy.decision import EvidenceRef, Recommendation, Workload
+from kvpolicy.decision import EvidenceRef, Recommendation, Trace, Workload
 from kvpolicy.errors import InputError
 from kvpolicy.estimates import estimate
 from kvpolicy.facts import build_facts
@@ -89,7 +89,7 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
     facts = build_facts(arch, gpu, workload, policy)
     outcome = decide(policy, facts)
     decision = outcome.decision
-    ests = estimate(policy, arch, gpu, workload, decision, outcome.trace.facts)
+    ests = estimate(policy, arch, gpu, workload, decision, outcome.trace["facts"])
     by_id = {e.id: e for e in policy.evidence}
     evidence = [EvidenceRef(id=i, statement=by_id[i].statement, source=by_id[i].source)
                 for i in outcome.evidence_ids if i in by_id]
@@ -104,5 +104,5 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
         warnings=outcome.warnings,
         alternatives=outcome.alternatives,
         evidence=evidence,
-        trace=outcome.trace,
+        trace=Trace.model_validate(outcome.trace),
     )

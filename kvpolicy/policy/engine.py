@@ -10,11 +10,13 @@ override it; later fields see the decided values as `decision.*` facts.
 from __future__ import annotations
 
 import fnmatch
+import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy.decision import DECISION_FIELDS, Decision, FieldTrace, RuleOutcome, Trace
+from kvpolicy.decision import DECISION_FIELDS, Decision
 from kvpolicy.errors import PolicyError, did_you_mean
 from kvpolicy.facts import FACTS
 from kvpolicy.formats import FORMATS
@@ -41,7 +43,8 @@ class Outcome:
     """Engine result: the decision, the trace, and what the deciding rules say."""
 
     decision: Decision
-    trace: Trace
+    trace: dict[str, Any]
+    """Plain data in the shape of `Trace` (validate with Trace.model_validate when needed)."""
     warnings: list[str] = field(default_factory=list)
     alternatives: list[str] = field(default_factory=list)
     evidence_ids: list[str] = field(default_factory=list)
@@ -97,78 +100,112 @@ def check_references(policy: Policy) -> None:
         raise PolicyError("\n".join(problems) + "\nRun `kvpolicy facts` for the list of facts.")
 
 
-def _value(v: Any, facts: dict[str, Any], policy: Policy) -> tuple[Any, str]:
-    if isinstance(v, ThresholdRef):
-        return resolve_threshold(policy, v.threshold, facts), f"threshold {v.threshold}"
-    if isinstance(v, FactRef):
-        return facts.get(v.fact), v.fact
-    return v, ""
+Check = Callable[[dict[str, Any]], tuple[bool, str]]
 
 
-def _compare(op: str, left: Any, right: Any) -> bool:
-    if op == "exists":
-        return (left is not None) == (right is not False)
-    if op == "eq":
-        return left == right
-    if op == "ne":
-        return left != right
-    if op == "in":
-        return left in (right or [])
-    if op == "not_in":
-        return left not in (right or [])
-    if op == "glob":
-        pats = right if isinstance(right, list) else [right]
-        return left is not None and any(fnmatch.fnmatchcase(str(left), str(p)) for p in pats)
-    if left is None or right is None:
-        return False
-    try:
-        if op == "lt":
-            return left < right
-        if op == "le":
-            return left <= right
-        if op == "gt":
-            return left > right
-        if op == "ge":
-            return left >= right
-    except TypeError:
-        return False
-    raise PolicyError(f"unknown operator `{op}`")
+def _ordered(fn: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+    def cmp(left: Any, right: Any) -> bool:
+        if left is None or right is None:
+            return False
+        try:
+            return fn(left, right)
+        except TypeError:
+            return False
+
+    return cmp
+
+
+def _glob(left: Any, right: Any) -> bool:
+    pats = right if isinstance(right, list) else [right]
+    return left is not None and any(fnmatch.fnmatchcase(str(left), str(p)) for p in pats)
+
+
+_OPS: dict[str, Callable[[Any, Any], bool]] = {
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "lt": _ordered(operator.lt),
+    "le": _ordered(operator.le),
+    "gt": _ordered(operator.gt),
+    "ge": _ordered(operator.ge),
+    "in": lambda left, right: left in (right or []),
+    "not_in": lambda left, right: left not in (right or []),
+    "glob": _glob,
+    "exists": lambda left, right: (left is not None) == (right is not False),
+}
+
+
+def compile_condition(cond: Condition | None, policy: Policy) -> Check:
+    """Turn a condition into a function of the facts returning (holds, human-readable reason).
+
+    Conditions are data; this only wires the closed set of operators together.
+    """
+    if cond is None:
+        return lambda facts: (True, "always")
+    if isinstance(cond, Compare):
+        fact, op, sym, cmp = cond.fact, cond.op, _SYMBOL[cond.op], _OPS[cond.op]
+        value = cond.value
+        if op == "exists":
+            def check_exists(facts: dict[str, Any]) -> tuple[bool, str]:
+                left = facts.get(fact)
+                return cmp(left, value), f"{fact} {'is set' if left is not None else 'is absent'}"
+            return check_exists
+        if isinstance(value, ThresholdRef):
+            name = value.threshold
+            label = f"threshold {name}"
+            resolve: Callable[[dict[str, Any]], Any] = lambda facts: resolve_threshold(policy, name, facts)
+        elif isinstance(value, FactRef):
+            other = label = value.fact
+            resolve = lambda facts: facts.get(other)
+        else:
+            label, const = "", value
+            resolve = lambda facts: const
+
+        def check(facts: dict[str, Any]) -> tuple[bool, str]:
+            left, right = facts.get(fact), resolve(facts)
+            ok = cmp(left, right)
+            rhs = f"{label} ({right!r})" if label else repr(right)
+            return ok, f"{fact} ({left!r}) {sym} {rhs}" + ("" if ok else " is false")
+        return check
+    if isinstance(cond, AllOf):
+        subs = [compile_condition(c, policy) for c in cond.all]
+
+        def check_all(facts: dict[str, Any]) -> tuple[bool, str]:
+            reasons = []
+            for sub in subs:
+                ok, why = sub(facts)
+                if not ok:
+                    return False, why
+                reasons.append(why)
+            return True, " and ".join(reasons)
+        return check_all
+    if isinstance(cond, AnyOf):
+        subs = [compile_condition(c, policy) for c in cond.any]
+
+        def check_any(facts: dict[str, Any]) -> tuple[bool, str]:
+            reasons = []
+            for sub in subs:
+                ok, why = sub(facts)
+                if ok:
+                    return True, why
+                reasons.append(why)
+            return False, "none of: " + "; ".join(reasons)
+        return check_any
+    inner = compile_condition(cond.not_, policy)
+
+    def check_not(facts: dict[str, Any]) -> tuple[bool, str]:
+        ok, why = inner(facts)
+        return (not ok), f"not ({why})"
+    return check_not
 
 
 def evaluate(cond: Condition | None, facts: dict[str, Any], policy: Policy) -> tuple[bool, str]:
-    """Evaluate a condition; returns (holds, human-readable reason)."""
-    if cond is None:
-        return True, "always"
-    if isinstance(cond, Compare):
-        left = facts.get(cond.fact)
-        right, label = _value(cond.value, facts, policy)
-        ok = _compare(cond.op, left, right)
-        if cond.op == "exists":
-            return ok, f"{cond.fact} {'is set' if left is not None else 'is absent'}"
-        rhs = f"{label} ({right!r})" if label else repr(right)
-        mark = "" if ok else " is false"
-        return ok, f"{cond.fact} ({left!r}) {_SYMBOL[cond.op]} {rhs}{mark}"
-    if isinstance(cond, AllOf):
-        reasons = []
-        for sub in cond.all:
-            ok, why = evaluate(sub, facts, policy)
-            if not ok:
-                return False, why
-            reasons.append(why)
-        return True, " and ".join(reasons)
-    if isinstance(cond, AnyOf):
-        reasons = []
-        for sub in cond.any:
-            ok, why = evaluate(sub, facts, policy)
-            if ok:
-                return True, why
-            reasons.append(why)
-        return False, "none of: " + "; ".join(reasons)
-    ok, why = evaluate(cond.not_, facts, policy)
-    return (not ok), f"not ({why})"
+    """Evaluate a condition once; returns (holds, human-readable reason)."""
+    return compile_condition(cond, policy)(facts)
 
 
 def _forbidden(policy: Policy, field_name: str, value: Any) -> str | None:
+    if not policy.constraints.forbid:
+        return None
     for pattern in policy.constraints.forbid.get(field_name, []):
         values = value if isinstance(value, list) else [value]
         if any(fnmatch.fnmatchcase(str(v), pattern) for v in values):
@@ -197,52 +234,79 @@ def fill(template: str, facts: dict[str, Any]) -> str:
     return _PLACEHOLDER.sub(sub, template)
 
 
+@dataclass
+class _Compiled:
+    """Per-policy data that decide() would otherwise recompute on every call."""
+
+    rules: list[Rule]
+    by_field: dict[str, list[tuple[Rule, Any]]]
+    checks: dict[str, Check]
+    pins: list[tuple[Any, dict[str, Any], Check]]
+    defaults: dict[str, Any]
+
+
+_COMPILED: dict[int, tuple[Policy, _Compiled]] = {}
+
+
+def _compile(policy: Policy) -> _Compiled:
+    hit = _COMPILED.get(id(policy))
+    if hit is not None and hit[0] is policy:
+        return hit[1]
+    rules = [r for r in policy.rules if r.enabled and r.status != "deprecated"]
+    defaults = {name: f.get_default(call_default_factory=True) for name, f in Decision.model_fields.items()}
+    defaults.update(policy.defaults.fields())
+    compiled = _Compiled(
+        rules=rules,
+        by_field={f: [(r, r.then.fields()[f]) for r in rules if f in r.then.fields()] for f in DECISION_FIELDS},
+        checks={r.id: compile_condition(r.when, policy) for r in rules},
+        pins=[(p, p.set.fields(), compile_condition(p.when, policy)) for p in policy.pins],
+        defaults=defaults,
+    )
+    # The policy reference keeps id() unique while the entry lives.
+    _COMPILED[id(policy)] = (policy, compiled)
+    return compiled
+
+
+def _outcome(rule: Rule, ok: bool, why: str) -> dict[str, Any]:
+    # Plain dicts: decide() runs in hot loops; recommend() validates them into a Trace once.
+    return {"id": rule.id, "name": rule.name, "matched": ok, "reason": why, "decided": [],
+            "overridden": [], "evidence": rule.evidence}
+
+
 def decide(policy: Policy, facts: dict[str, Any]) -> Outcome:
     """Run the rules over the facts."""
     facts = dict(facts)
-    rules = [r for r in policy.rules if r.enabled and r.status != "deprecated"]
-    outcomes: dict[str, RuleOutcome] = {}
-    matched: dict[str, bool] = {}
+    c = _compile(policy)
+    outcomes: dict[str, dict[str, Any]] = {}
     chosen: dict[str, Any] = {}
-    fields: dict[str, FieldTrace] = {}
-    deciders: list[Rule] = []
-    defaults = policy.defaults.fields()
+    fields: dict[str, dict[str, Any]] = {}
+    deciders: dict[str, Rule] = {}
 
     for field_name in DECISION_FIELDS:
         winner: tuple[Any, str] | None = None
         losers: list[str] = []
-        for rule in rules:
-            patch = rule.then.fields()
-            if field_name not in patch:
+        for rule, value in c.by_field[field_name]:
+            out = outcomes.get(rule.id)
+            if out is None:
+                out = outcomes[rule.id] = _outcome(rule, *c.checks[rule.id](facts))
+            if not out["matched"]:
                 continue
-            if rule.id not in outcomes:
-                ok, why = evaluate(rule.when, facts, policy)
-                matched[rule.id] = ok
-                outcomes[rule.id] = RuleOutcome(id=rule.id, name=rule.name, matched=ok, reason=why,
-                                                evidence=list(rule.evidence))
-            if not matched[rule.id]:
-                continue
-            out = outcomes[rule.id]
-            value = patch[field_name]
             pattern = _forbidden(policy, field_name, value)
             if pattern is not None:
-                out.reason += f"; {field_name}={value} is forbidden by constraint `{pattern}`"
+                out["reason"] += f"; {field_name}={value} is forbidden by constraint `{pattern}`"
                 continue
             if winner is None:
                 winner = (value, rule.id)
-                out.decided.append(field_name)
-                if rule not in deciders:
-                    deciders.append(rule)
+                out["decided"].append(field_name)
+                deciders.setdefault(rule.id, rule)
             else:
-                out.overridden.append(field_name)
+                out["overridden"].append(field_name)
                 if value != winner[0]:
                     losers.append(rule.id)
         if winner is None:
-            value = defaults.get(field_name, Decision.model_fields[field_name].get_default(call_default_factory=True))
-            winner = (value, "default")
-        for pin in policy.pins:
-            pinned = pin.set.fields()
-            if field_name in pinned and evaluate(pin.when, facts, policy)[0]:
+            winner = (c.defaults[field_name], "default")
+        for pin, pinned, holds in c.pins:
+            if field_name in pinned and holds(facts)[0]:
                 pattern = _forbidden(policy, field_name, pinned[field_name])
                 if pattern is not None:
                     raise PolicyError(f"pin `{pin.name}` sets {field_name}={pinned[field_name]}, which constraint "
@@ -251,23 +315,20 @@ def decide(policy: Policy, facts: dict[str, Any]) -> Outcome:
                     losers.append(winner[1])
                 winner = (pinned[field_name], f"pin:{pin.name}")
         chosen[field_name] = winner[0]
-        fields[field_name] = FieldTrace(value=winner[0], decided_by=winner[1], losers=losers)
+        fields[field_name] = {"value": winner[0], "decided_by": winner[1], "losers": losers}
         facts.update(_decision_fact(field_name, winner[0]))
 
     # Advice rules (no fields) see the whole decision; they are evaluated last.
     advice: list[str] = []
-    facts["decision.attention_backend"] = chosen["attention_backend"]
-    for rule in rules:
+    for rule in c.rules:
         if rule.id not in outcomes:
-            ok, why = evaluate(rule.when, facts, policy)
-            outcomes[rule.id] = RuleOutcome(id=rule.id, name=rule.name, matched=ok, reason=why,
-                                            evidence=list(rule.evidence))
-            if ok:
+            out = outcomes[rule.id] = _outcome(rule, *c.checks[rule.id](facts))
+            if out["matched"]:
                 advice.extend(fill(a, facts) for a in rule.advise)
-                deciders.append(rule)
-    ordered = [outcomes[r.id] for r in rules]
-    warnings = [fill(w, facts) for r in deciders for w in r.warn]
-    evidence_ids = list(dict.fromkeys(e for r in deciders for e in r.evidence))
+                deciders.setdefault(rule.id, rule)
+    ordered = [outcomes[r.id] for r in c.rules]
+    warnings = [fill(w, facts) for r in deciders.values() for w in r.warn]
+    evidence_ids = list(dict.fromkeys(e for r in deciders.values() for e in r.evidence))
     decision = Decision(**chosen)
-    return Outcome(decision=decision, trace=Trace(rules=ordered, fields=fields, facts=facts),
+    return Outcome(decision=decision, trace={"rules": ordered, "fields": fields, "facts": facts},
                    warnings=warnings, alternatives=advice, evidence_ids=evidence_ids)

@@ -21,15 +21,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Tolerances, relative Frobenius error:
 # - BF16 cache on the interpreter: dots run in fp32 on exact bf16 inputs, so only
-#   fp32 rounding of exp2 and the sums remains (measured ~1e-6).
+#   fp32 rounding of exp2 and the sums remains (measured 1e-7 to 2.5e-7).
 # - BF16 cache on a GPU: P is rounded to bf16 (2**-9 relative) for the P.V MMA.
 # - FP8 cache: P is rounded to e4m3 (2**-4 relative per weight) for the P.V MMA;
-#   with V = 1 + noise the output error shrinks with the number of attended
-#   positions (measured below 4e-3 on these shapes).
-# - FP8 query: each query is rounded to e4m3 too, which moves the logits by ~2%.
-TOL_BF16 = 1e-4 if INTERPRET else 1e-2
-TOL_FP8 = 1.5e-2
-TOL_FP8_QUERY = 4e-2
+#   with V = 1 + noise that averages down (measured 1.5e-3 to 2.5e-3 here).
+# - FP8 query: the query is rounded to e4m3 too, which moves every logit
+#   (measured 5e-3 to 1e-2 here).
+TOL_BF16 = 1e-5 if INTERPRET else 1e-2
+TOL_FP8 = 1e-2
+TOL_FP8_QUERY = 3e-2
 
 SWAPPED = DecodeConfig(block_n=64, num_warps=4, num_stages=1, swap_ab=True, programs_per_sm=1.0, min_tokens_per_split=64)
 
@@ -188,7 +188,7 @@ def test_rejects_bad_inputs(device: str) -> None:
     with pytest.raises(ValueError, match="sinks"):
         decode_attention(**case, sinks=torch.zeros(3, device=device))
     with pytest.raises(ValueError, match="k_scale"):
-        decode_attention(**case, k_scale=torch.ones(5, device=device))
+        decode_attention(**{**case, "k_scale": torch.ones(5, device=device)})
     with pytest.raises(ValueError, match="sliding_window"):
         decode_attention(**case, sliding_window=0)
 

@@ -1,0 +1,354 @@
+"""Model and GPU catalogs: every entry validates, names resolve, unknown names help."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpolicy import catalog
+from kvpolicy.arch import layer_kv_bytes_per_token
+from kvpolicy.catalog import load_gpus, load_models, resolve_gpu, resolve_model
+from kvpolicy.errors import InputError
+from kvpolicy.formats import FORMATS
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+def bf16_kv_bytes(model_id: str) -> int:
+    arch = resolve_model(model_id)
+    return sum(layer_kv_bytes_per_token(arch, i, FORMATS["auto"]) for i in range(arch.num_layers))
+
+
+# -- the data -------------------------------------------------------------------------------
+
+
+def test_every_model_entry_validates_and_is_well_formed():
+    models = load_models()
+    assert len(models) >= 25
+    for key, arch in models.items():
+        assert key == arch.id == key.lower()
+        assert arch.family and arch.source and arch.hf_id
+        assert arch.weight_bytes > 0, f"{key}: needs params_b or weights_gb"
+        assert arch.max_position_embeddings, key
+        assert arch.kv_layer_indices, key
+
+
+def test_every_gpu_entry_validates_and_fp8_compute_follows_the_generation():
+    gpus = load_gpus()
+    assert len(gpus) >= 20
+    for key, gpu in gpus.items():
+        assert key == gpu.id == key.lower()
+        assert gpu.source and gpu.name
+        assert gpu.fp8_compute == (gpu.generation != "ampere"), key
+        if gpu.vendor == "nvidia":
+            assert gpu.sm is not None and gpu.sm >= 80, key
+
+
+def test_loading_is_cached():
+    assert load_models() is load_models()
+    assert load_gpus() is load_gpus()
+
+
+BRIEF_MODELS = {
+    "Llama-3.1-8B": "llama-3.1-8b",
+    "Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "llama-3.1-8b": "llama-3.1-8b",
+    "Llama-3.3-70B-Instruct": "llama-3.3-70b",
+    "gpt-oss-20b": "gpt-oss-20b",
+    "gpt-oss-120b": "gpt-oss-120b",
+    "gemma-4-E2B": "gemma-4-e2b",
+    "Qwen3-30B-A3B-Instruct-2507": "qwen3-30b-a3b-2507",
+    "Qwen3-30B-A3B-Thinking-2507": "qwen3-30b-a3b-2507",
+    "Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "Qwen3.5-27B": "qwen3.5-27b",
+    "Kimi-K2.5": "kimi-k2.5",
+    "MiniMax-M2.7": "minimax-m2.7",
+    "DeepSeek-V3": "deepseek-v3",
+    "DeepSeek-R1": "deepseek-v3",
+    "Llama-3.1-70B": "llama-3.1-70b",
+    "Llama-3.1-405B": "llama-3.1-405b",
+    "Llama-3.2-1B": "llama-3.2-1b",
+    "Llama-3.2-3B": "llama-3.2-3b",
+    "Qwen3-8B": "qwen3-8b",
+    "Qwen3-14B": "qwen3-14b",
+    "Qwen3-32B": "qwen3-32b",
+    "Qwen3-235B-A22B": "qwen3-235b-a22b",
+    "Qwen2.5-7B": "qwen2.5-7b",
+    "Qwen2.5-72B": "qwen2.5-72b",
+    "Mistral-7B-v0.3": "mistral-7b-v0.3",
+    "Mistral-Small-24B-Instruct-2501": "mistral-small-24b",
+    "Mixtral-8x7B": "mixtral-8x7b",
+    "gemma-3-4b-it": "gemma-3-4b",
+    "gemma-3-12b-it": "gemma-3-12b",
+    "gemma-3-27b-it": "gemma-3-27b",
+}
+
+
+@pytest.mark.parametrize(("name", "expected"), sorted(BRIEF_MODELS.items()))
+def test_brief_and_common_models_resolve(name: str, expected: str):
+    assert resolve_model(name).id == expected
+
+
+def test_hf_ids_resolve_case_insensitively():
+    assert resolve_model("openai/gpt-oss-20b").id == "gpt-oss-20b"
+    assert resolve_model("OPENAI/GPT-OSS-20B").id == "gpt-oss-20b"
+    assert resolve_model("  meta-llama/llama-3.1-8b-instruct ").id == "llama-3.1-8b"
+    assert resolve_model("Qwen/Qwen3-30B-A3B-Thinking-2507").id == "qwen3-30b-a3b-2507"
+
+
+@pytest.mark.parametrize(
+    ("model_id", "bf16_bytes_per_token"),
+    [
+        # facts.yaml `derived` values (BF16 K+V over the KV-holding layers)
+        ("llama-3.1-8b", 131_072),
+        ("llama-3.3-70b", 327_680),
+        ("qwen3-30b-a3b-2507", 98_304),
+        ("qwen3.5-27b", 65_536),  # 16 full layers only
+        ("kimi-k2.5", 70_272),
+        ("deepseek-v3", 70_272),
+        ("minimax-m2.7", 253_952),
+        ("qwen3-8b", 147_456),
+        ("qwen3-32b", 262_144),
+        ("mistral-7b-v0.3", 131_072),
+        ("llama-3.2-1b", 32_768),
+        ("llama-3.2-3b", 114_688),
+        ("gpt-oss-20b", 24_576 * 2),
+        ("gpt-oss-120b", 36_864 * 2),
+        ("gemma-3-4b", 20_480 + 118_784),
+        ("gemma-3-27b", 81_920 + 425_984),
+        ("gemma-4-e2b", 6_144 + 12_288),
+    ],
+)
+def test_kv_bytes_per_token_match_the_reference(model_id: str, bf16_bytes_per_token: int):
+    assert bf16_kv_bytes(model_id) == bf16_bytes_per_token
+
+
+def test_gpt_oss_20b_layout():
+    arch = resolve_model("gpt-oss-20b")
+    assert arch.count("full") == 12 and arch.count("sliding") == 12
+    assert arch.sliding_window == 128 and arch.has_attention_sinks
+    assert arch.weights_gb == pytest.approx(13.8)
+
+
+def test_gemma4_e2b_layout():
+    arch = resolve_model("gemma-4-e2b")
+    assert len(arch.kv_layer_indices) == 15
+    assert arch.count("sliding") == 12 and arch.count("full") == 3 and arch.count("shared") == 20
+    assert (arch.head_dim, arch.full_head_dim, arch.sliding_window) == (256, 512, 512)
+
+
+def test_quantized_checkpoints_carry_weights_gb():
+    for model_id in ("gpt-oss-20b", "gpt-oss-120b", "kimi-k2.5", "deepseek-v3", "minimax-m2.7"):
+        assert resolve_model(model_id).weights_gb is not None, model_id
+    assert resolve_model("llama-3.1-8b").weights_gb is None  # BF16: 2 bytes x params_b
+
+
+# -- local configs --------------------------------------------------------------------------
+
+
+def test_local_folder_and_config_json_resolve_through_hfconfig():
+    by_folder = resolve_model(str(FIXTURES / "gpt-oss-20b"))
+    by_file = resolve_model(str(FIXTURES / "gpt-oss-20b" / "config.json"))
+    assert by_folder.id == "gpt-oss-20b" and by_folder.source.endswith("config.json")
+    assert by_folder == by_file
+
+
+def test_relative_path_resolves(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(FIXTURES)
+    assert resolve_model("./qwen3.5-27b").count("linear") == 48
+
+
+def test_missing_path_says_it_looks_like_a_path():
+    with pytest.raises(InputError, match="looks like a path, but no such file or folder exists"):
+        resolve_model("./no/such/config.json")
+
+
+# -- unknown names --------------------------------------------------------------------------
+
+
+def test_unknown_model_suggests_close_ids_and_how_to_list():
+    with pytest.raises(InputError) as err:
+        resolve_model("llama-3.1-8")
+    msg = str(err.value)
+    assert "--model: unknown model `llama-3.1-8`." in msg
+    assert "Did you mean" in msg and "`llama-3.1-8b`" in msg
+    assert "kvpolicy models" in msg and "config.json" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_hf_id_suggests_from_the_name_part_and_how_to_fetch():
+    with pytest.raises(InputError) as err:
+        resolve_model("RedHatAI/Llama-3.1-8B-Instruct-FP8")
+    msg = str(err.value)
+    assert "`llama-3.1-8b`" in msg
+    assert "huggingface-cli download RedHatAI/Llama-3.1-8B-Instruct-FP8 config.json" in msg
+
+
+def test_empty_model_name():
+    with pytest.raises(InputError, match="empty"):
+        resolve_model("  ")
+
+
+def test_unknown_gpu_suggests_and_points_to_the_list():
+    with pytest.raises(InputError) as err:
+        resolve_gpu("h10")
+    msg = str(err.value)
+    assert "--gpu: unknown GPU `h10`." in msg
+    assert "Did you mean" in msg and "`h100" in msg
+    assert "kvpolicy gpus" in msg
+
+
+def test_where_prefix_is_used():
+    with pytest.raises(InputError, match=r"^team.yaml:3: unknown GPU"):
+        resolve_gpu("x9000", where="team.yaml:3")
+
+
+# -- GPU names ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("h100", "h100-sxm"),
+        ("H100-SXM", "h100-sxm"),
+        ("h100-80gb", "h100-sxm"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H200", "h200"),
+        ("a100", "a100-80gb-sxm"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb-sxm"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb-sxm"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA A10G", "a10g"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "rtx-pro-6000-blackwell"),
+        ("mi300x", "mi300x"),
+    ],
+)
+def test_gpu_names_resolve(name: str, expected: str):
+    assert resolve_gpu(name).id == expected
+
+
+def test_every_gpu_alias_and_name_resolves_to_its_entry():
+    for key, gpu in load_gpus().items():
+        for name in [key, gpu.name, *gpu.aliases]:
+            assert resolve_gpu(name).id == key, name
+            assert resolve_gpu(name.upper()).id == key, name
+
+
+def test_every_model_alias_and_hf_id_resolves_to_its_entry():
+    for key, arch in load_models().items():
+        for name in [key, arch.hf_id, *arch.aliases]:
+            assert resolve_model(name).id == key, name
+
+
+def test_driver_reported_memory():
+    assert resolve_gpu("h100").memory_gib == pytest.approx(81559 / 1024, abs=0.01)
+    assert resolve_gpu("h200").memory_gib == pytest.approx(143771 / 1024, abs=0.01)
+    assert resolve_gpu("a100").memory_gib == pytest.approx(81920 / 1024, abs=0.01)
+    assert resolve_gpu("b200").memory_gib == pytest.approx(183359 / 1024, abs=0.01)
+
+
+# -- --gpu auto -----------------------------------------------------------------------------
+
+
+def fake_nvidia_smi(folder: Path, output: str) -> None:
+    exe = folder / "nvidia-smi"
+    exe.write_text(f"#!/bin/sh\nprintf '{output}'\n")
+    exe.chmod(0o755)
+
+
+def test_auto_without_nvidia_smi_gives_the_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(InputError, match="nvidia-smi was not found") as err:
+        resolve_gpu("auto")
+    assert "--gpu h100" in str(err.value)
+
+
+def test_auto_matches_the_nvidia_smi_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    fake_nvidia_smi(tmp_path, "NVIDIA H100 80GB HBM3\\nNVIDIA H100 80GB HBM3\\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert resolve_gpu("auto").id == "h100-sxm"
+    assert resolve_gpu("AUTO").id == "h100-sxm"
+
+
+def test_auto_with_an_unknown_gpu_names_it_and_suggests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    fake_nvidia_smi(tmp_path, "NVIDIA A100 80GB PCIe\\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(InputError) as err:
+        resolve_gpu("auto")
+    msg = str(err.value)
+    assert "nvidia-smi reports `NVIDIA A100 80GB PCIe`" in msg
+    assert "Did you mean" in msg and "a100" in msg
+    assert "kvpolicy gpus" in msg
+
+
+# -- bad catalog data -----------------------------------------------------------------------
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "catalog.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_invalid_model_entry_names_the_file_the_entry_and_the_field(tmp_path: Path):
+    path = write(tmp_path, "good:\n  num_layers: 2\n  num_attention_heads: 4\n  num_kv_heads: 2\n  head_dim: 64\n"
+                 "bad:\n  num_layers: 2\n  num_attention_heads: 4\n  head_dim: -1\n")
+    with pytest.raises(InputError) as err:
+        load_models(path)
+    msg = str(err.value)
+    assert str(path) in msg and "entry `bad`" in msg
+    assert "`num_kv_heads`" in msg and "`head_dim`" in msg and "(found -1)" in msg
+
+
+def test_unknown_field_in_an_entry(tmp_path: Path):
+    path = write(tmp_path, "x:\n  name: X\n  generation: hopper\n  memory_gib: 80\n  bandwidth_tbs: 3\n"
+                 "  fp8_compute: true\n  memroy_gib: 1\n")
+    with pytest.raises(InputError, match=r"entry `x` is not a valid GpuSpec: `memroy_gib`: Extra inputs"):
+        load_gpus(path)
+
+
+def test_duplicate_alias_names_both_entries(tmp_path: Path):
+    entry = (
+        "  name: {n}\n  aliases: [shared]\n  generation: ada\n  memory_gib: 24\n  bandwidth_tbs: 1\n"
+        "  fp8_compute: true\n"
+    )
+    path = write(tmp_path, "one:\n" + entry.format(n="One") + "two:\n" + entry.format(n="Two"))
+    with pytest.raises(InputError, match=r"entry `two`: the name `shared` also belongs to entry `one`"):
+        load_gpus(path)
+
+
+def test_catalog_ids_must_be_lower_case(tmp_path: Path):
+    with pytest.raises(InputError, match="must be a non-empty lower-case string"):
+        load_gpus(write(tmp_path, "H100:\n  name: x\n"))
+
+
+def test_malformed_catalog_yaml_gives_the_position(tmp_path: Path):
+    with pytest.raises(InputError, match=r"catalog\.yaml:3:1: malformed YAML \(did not find expected ',' or ']'\)"):
+        load_models(write(tmp_path, "a:\n  b: [1, 2\n"))
+
+
+# -- start-up cost --------------------------------------------------------------------------
+
+
+def test_importing_the_catalog_defers_yaml_and_hfconfig():
+    code = (
+        "import sys, kvpolicy.catalog; "
+        "print(sorted(m for m in ('ruamel.yaml', 'kvpolicy.hfconfig') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout
+    assert out.strip() == "[]"
+
+
+def test_data_files_ship_inside_the_package():
+    assert catalog.MODELS_PATH.is_file() and catalog.GPUS_PATH.is_file()
+    assert catalog.MODELS_PATH.parent == Path(catalog.__file__).parent / "data"

@@ -25,7 +25,7 @@ AttentionKind = Literal["gqa", "mha", "mqa", "mla"]
 class ModelArch(BaseModel):
     """What kvpolicy needs to know about a model to decide its KV cache."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str
     """Catalog id (lower case), or the folder name of a local config."""

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("kvpolicy.commands.catalogs", "List the model catalog."),
     "gpus": ("kvpolicy.commands.catalogs", "List the GPU catalog."),
     "schema": ("kvpolicy.commands.catalogs", "Write the JSON Schemas (policy, recommendation) to schemas/."),
+    "serve": ("kvpolicy.commands.serve", "Serve the policy as an HTTP JSON decision service (needs the serve extra)."),
 }
 
 
@@ -53,8 +54,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors with our exit code and one clear line."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.stderr.write(f"{self.prog}: error: {message}. See `{self.prog} --help`.\n")
         raise SystemExit(EXIT_USAGE)
 
 
@@ -72,7 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "--version"):
-        _top_parser().parse_args(argv or ["--help"])
+        try:
+            _top_parser().parse_args(argv or ["--help"])
+        except SystemExit as exc:
+            return int(exc.code or 0)
         return 0
     name = argv[0]
     if name not in COMMANDS:

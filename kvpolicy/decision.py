@@ -21,7 +21,7 @@ DECISION_FIELDS = ("kv_cache_dtype", "skip_layers", "two_level_accumulation", "s
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+    model_config = ConfigDict(extra="forbid")
 
 
 class Workload(_Model):

@@ -113,7 +113,10 @@ def schemas() -> dict[str, dict]:
     from kvpolicy.decision import Recommendation
     from kvpolicy.policy.schema import Policy
 
+    from kvpolicy.fielddocs import attach_docstrings
+
     def make(model: type, title: str) -> dict:
+        attach_docstrings(model)  # type: ignore[arg-type]
         schema = model.model_json_schema(by_alias=True)  # type: ignore[attr-defined]
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         schema["title"] = title

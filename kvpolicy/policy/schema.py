@@ -8,9 +8,9 @@ the code.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from kvpolicy.decision import DECISION_FIELDS, ScaleSource, TwoLevel
 
@@ -21,7 +21,7 @@ Scalar = Union[bool, int, float, str, None]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+    model_config = ConfigDict(extra="forbid")
 
 
 class ThresholdRef(_Strict):
@@ -38,7 +38,25 @@ class FactRef(_Strict):
     """Fact path, e.g. `workload.accuracy_floor`."""
 
 
-Operand = Union[ThresholdRef, FactRef, Scalar, list[Scalar]]
+def _operand_kind(v: Any) -> str:
+    """Which Operand member a value is meant to be, so errors speak about that member only."""
+    if isinstance(v, (ThresholdRef, FactRef)):
+        return type(v).__name__
+    if isinstance(v, dict):
+        return "FactRef" if "fact" in v and "threshold" not in v else "ThresholdRef"
+    return "List" if isinstance(v, list) else "Scalar"
+
+
+Operand = Annotated[
+    Union[
+        Annotated[ThresholdRef, Tag("ThresholdRef")],
+        Annotated[FactRef, Tag("FactRef")],
+        Annotated[Scalar, Tag("Scalar")],
+        Annotated[list[Scalar], Tag("List")],
+    ],
+    Discriminator(_operand_kind),
+]
+_ORDERED_OPS = ("lt", "le", "gt", "ge")
 
 
 class Compare(_Strict):
@@ -50,6 +68,26 @@ class Compare(_Strict):
     """Operator."""
     value: Operand = None
     """Right-hand side: a literal, a list (for in/not_in), `{threshold: name}` or `{fact: path}`."""
+
+    @model_validator(mode="after")
+    def _value_fits_op(self) -> Compare:
+        v, op = self.value, self.op
+        ref = isinstance(v, (ThresholdRef, FactRef))
+        if op in ("in", "not_in") and not (isinstance(v, list) or isinstance(v, FactRef)):
+            raise ValueError(f"`op: {op}` needs a list value, e.g. `value: [hopper, blackwell]` (found {v!r})")
+        if op in _ORDERED_OPS and not ref and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"`op: {op}` compares numbers: give a number, `{{threshold: name}}` or "
+                             f"`{{fact: path}}` (found {v!r})")
+        if op == "exists" and v not in (None, True, False):
+            raise ValueError(f"`op: exists` takes `value: true` (the default) or `false` (found {v!r})")
+        if op == "glob" and not (isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))):
+            raise ValueError(f"`op: glob` needs a pattern such as `llama-*` or a list of them (found {v!r})")
+        if op in ("eq", "ne") and isinstance(v, list):
+            alt = "in" if op == "eq" else "not_in"
+            raise ValueError(f"`op: {op}` with a list never matches a single fact value; use `op: {alt}`")
+        if isinstance(v, ThresholdRef) and op not in _ORDERED_OPS + ("eq", "ne"):
+            raise ValueError(f"`op: {op}` cannot take a threshold; thresholds are numbers (use lt/le/gt/ge/eq/ne)")
+        return self
 
 
 class AllOf(_Strict):
@@ -72,10 +110,31 @@ class Not(_Strict):
     not_: Condition = Field(alias="not")
     """Sub-condition."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-Condition = Union[AllOf, AnyOf, Not, Compare]
+def _condition_kind(v: Any) -> str:
+    """Which condition form a mapping is meant to be (`all`, `any`, `not` or a comparison)."""
+    if isinstance(v, BaseModel):
+        return type(v).__name__
+    if isinstance(v, dict):
+        for key, kind in (("all", "AllOf"), ("any", "AnyOf"), ("not", "Not"), ("not_", "Not")):
+            if key in v:
+                return kind
+    return "Compare"
+
+
+# The discriminator picks the form from the keys present, so a typo in a comparison
+# is reported against Compare alone instead of against all four forms.
+Condition = Annotated[
+    Union[
+        Annotated[AllOf, Tag("AllOf")],
+        Annotated[AnyOf, Tag("AnyOf")],
+        Annotated[Not, Tag("Not")],
+        Annotated[Compare, Tag("Compare")],
+    ],
+    Discriminator(_condition_kind),
+]
 for _m in (AllOf, AnyOf, Not):
     _m.model_rebuild()
 
@@ -208,7 +267,37 @@ class Threshold(_Strict):
             raise ValueError("a threshold needs `value`, or `by` with `values`")
         if self.by is not None and not self.values:
             raise ValueError("`by` needs `values`")
+        if self.by is not None and self.value is not None:
+            raise ValueError(f"a threshold keyed `by: {self.by}` ignores `value`; use `default` for keys not "
+                             "in `values`, or drop `by`/`values` for one number")
+        if self.by is None and (self.values or self.default is not None):
+            raise ValueError("`values` and `default` need `by` (the fact that selects an entry)")
         return self
+
+
+class ThresholdPatch(_Strict):
+    """A threshold in a file that `extends` another: any subset of the keys, merged over the inherited one.
+
+    Giving `value` alone turns an inherited keyed threshold into one number; `values`
+    are merged key by key.
+    """
+
+    description: str | None = None
+    """What the number means and where it comes from."""
+    value: float | None = None
+    """The value when not keyed."""
+    by: str | None = None
+    """Fact whose value selects an entry of `values`."""
+    values: dict[str, float] | None = None
+    """Per-key values when `by` is set (merged over the inherited ones)."""
+    default: float | None = None
+    """Value when `by`'s fact matches no key."""
+    min: float | None = None
+    """Lowest sensible value."""
+    max: float | None = None
+    """Highest sensible value."""
+    evidence: list[str] | None = None
+    """Evidence ids backing the number."""
 
 
 class Pin(_Strict):
@@ -250,8 +339,8 @@ class Deployment(_Strict):
     """Model catalog id, HF id or local config path."""
     gpu: str
     """GPU catalog id or alias."""
-    context: int | str = 32768
-    """Context length (`32k` or a number)."""
+    context: Union[Annotated[int, Field(gt=0)], Annotated[str, Field(pattern=r"^\s*\d+(\.\d+)?\s*[kKmM]?\s*$")]] = 32768
+    """Context length (`32k`, `1m` or a number of tokens)."""
     priority: Literal["decode", "prefill", "balanced"] = "decode"
     """decode, prefill or balanced."""
     concurrency: int = Field(default=1, gt=0)
@@ -260,6 +349,8 @@ class Deployment(_Strict):
     """Tensor-parallel size."""
     accuracy_floor: float | None = Field(default=None, gt=0, le=1)
     """Accuracy floor (defaults to the policy's threshold)."""
+    gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)
+    """Fraction of GPU memory vLLM may use."""
 
 
 class Policy(_Strict):
@@ -291,6 +382,25 @@ class Policy(_Strict):
     """Hard limits."""
     deployments: list[Deployment] = Field(default_factory=list)
     """Serving targets evaluated by `kvpolicy check`."""
+
+    @field_validator("rules", "evidence", "deployments", "pins")
+    @classmethod
+    def _unique(cls, items: list[Any]) -> list[Any]:
+        key = "name" if items and isinstance(items[0], (Deployment, Pin)) else "id"
+        seen: set[str] = set()
+        for item in items:
+            value = getattr(item, key)
+            if value in seen:
+                raise ValueError(f"{key} `{value}` appears twice; {key}s must be unique (rename or remove one)")
+            seen.add(value)
+        return items
+
+
+class PolicyLayer(Policy):
+    """One file of an `extends` chain checked on its own: its thresholds may be partial."""
+
+    thresholds: dict[str, ThresholdPatch] = Field(default_factory=dict)  # type: ignore[assignment]
+    """Threshold changes, merged over the inherited thresholds."""
 
 
 def resolve_threshold(policy: Policy, name: str, facts: dict[str, Any]) -> float | None:

@@ -1,0 +1,141 @@
+"""`kvpolicy recommend` / `explain` / `rule` from the command line: formats, errors, start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from kvpolicy.cli import main
+from kvpolicy.decision import Recommendation
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+HEAVY = ("torch", "triton", "vllm", "starlette", "uvicorn", "transformers", "numpy", "matplotlib")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_is_a_valid_recommendation(capsys):
+    code, out, _ = run_cli(capsys, "recommend", "--model", "gpt-oss-20b", "--gpu", "h100", "--format", "json")
+    assert code == 0
+    rec = Recommendation.model_validate_json(out)
+    assert rec.decision.kv_cache_dtype == "fp8"
+    assert rec.estimates.itl_slope_ratio.provenance == "measured"
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(json.loads(out), Recommendation.model_json_schema())
+
+
+def test_args_format_prints_only_vllm_flags(capsys):
+    code, out, _ = run_cli(capsys, "recommend", "-m", "openai/gpt-oss-20b", "-g", "H100-SXM", "--format", "args")
+    assert code == 0
+    assert out.split() == ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "sliding_window",
+                           "--attention-backend", "FLASH_ATTN", "--max-model-len", "32768"]
+
+
+def test_yaml_format_parses(capsys):
+    code, out, _ = run_cli(capsys, "recommend", "-m", "llama-3.1-8b", "-g", "b200", "-c", "6k", "--format", "yaml")
+    assert code == 0
+    data = YAML(typ="safe").load(out)
+    assert data["decision"]["attention_backend"] == "FLASHINFER"
+    assert data["workload"]["context_tokens"] == 6144
+
+
+def test_table_shows_decision_command_and_rules(capsys):
+    code, out, _ = run_cli(capsys, "recommend", "--model", "gpt-oss-20b", "--gpu", "h100")
+    assert code == 0
+    flat = " ".join(out.split())
+    assert "vllm serve openai/gpt-oss-20b --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window" in flat
+    assert "KV201" in out and "KV107" in out
+    assert "measured" in out and "modelled" in out
+
+
+def test_explain_lists_every_rule(capsys):
+    code, out, _ = run_cli(capsys, "explain", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "4k")
+    assert code == 0
+    for rid in ("KV101", "KV106", "KV107", "KV201", "KV301", "KV504"):
+        assert rid in out
+
+
+def test_local_config_folder(capsys):
+    code, out, _ = run_cli(capsys, "recommend", "-m", str(FIXTURES / "gpt-oss-20b"), "-g", "h100", "-f", "json")
+    assert code == 0
+    assert json.loads(out)["decision"]["skip_layers"] == ["sliding_window"]
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--model", "gpt-oss-21b", "--gpu", "h100"], "gpt-oss-20b"),         # close match offered
+        (["--model", "gpt-oss-20b", "--gpu", "h1000"], "h100"),
+        (["--model", "gpt-oss-20b", "--gpu", "h100", "--context", "32q"], "--context"),
+        (["--model", "gpt-oss-20b", "--gpu", "h100", "--context=-4k"], "--context"),
+        (["--model", "gpt-oss-20b", "--gpu", "h100", "--concurrency", "-3"], "--concurrency"),
+        (["--model", "gpt-oss-20b", "--gpu", "h100", "--tp", "0"], "--tp"),
+        (["--model", "gpt-oss-20b", "--gpu", "h100", "--accuracy-floor", "1.5"], "--accuracy-floor"),
+        (["--model", str(FIXTURES / "broken-no-layers"), "--gpu", "h100"], "num_hidden_layers"),
+        (["--model", "/no/such/folder/config.json", "--gpu", "h100"], "/no/such/folder"),
+        (["--model", "gpt-oss-20b", "--gpu", "h100", "--policy", "/no/such/policy.yaml"], "policy.yaml"),
+        (["--model", "gpt-oss-20b", "--gpu", "h100", "--format", "xml"], "--format"),
+    ],
+)
+def test_bad_input_is_one_clear_error_with_exit_2(capsys, argv, needle):
+    code, out, err = run_cli(capsys, "recommend", *argv)
+    assert code == 2
+    assert needle in err
+    assert "Traceback" not in err + out
+    assert err.strip().count("\n") <= 3  # a paragraph, not a dump
+
+
+def test_gpu_auto_without_nvidia_smi(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    code, _, err = run_cli(capsys, "recommend", "--model", "gpt-oss-20b", "--gpu", "auto")
+    assert code == 2
+    assert "nvidia-smi" in err and "--gpu h100" in err
+
+
+def test_unknown_command_suggests(capsys):
+    code, _, err = run_cli(capsys, "recomend")
+    assert code == 2 and "recommend" in err
+
+
+def test_rule_prints_why_and_evidence(capsys):
+    code, out, _ = run_cli(capsys, "rule", "KV201")
+    assert code == 0
+    assert "skip-small-sliding-windows" in out and "7,659" in out and "fp8-itl-gpt-oss-20b-h100" in out
+    code, out, _ = run_cli(capsys, "rule", "KV201", "--format", "json")
+    assert json.loads(out)["evidence"][0]["id"] == "fp8-itl-gpt-oss-20b-h100"
+    code, _, err = run_cli(capsys, "rule", "KV999")
+    assert code == 2 and "KV" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["recommend", "--model", "gpt-oss-20b", "--gpu", "h100"],
+    ["explain", "--model", "gpt-oss-20b", "--gpu", "h100", "--format", "json"],
+    ["rule", "KV106"],
+])
+def test_startup_loads_no_heavy_modules(argv):
+    """recommend/explain/--help must not import torch, triton, vllm or the server stack."""
+    probe = (
+        "import sys, io, contextlib\n"
+        "from kvpolicy.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    code = main({argv!r})\n"
+        f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
+        "print(code, ','.join(heavy))\n"
+    )
+    env = {**os.environ, "COLUMNS": "120"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    code, _, heavy = out.stdout.strip().partition(" ")
+    assert code == "0"
+    assert heavy == "", f"loaded {heavy}"

@@ -102,12 +102,10 @@ def ref_decode_attention(
         start = max(seq_len - sliding_window, 0) if sliding_window is not None else 0
         k, v = k[start:], v[start:]
         # Query heads of one KV head are consecutive: head h reads KV head h // group.
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        q = query[b].to(torch.float64)
-        logits = torch.einsum("hd,nhd->hn", q, k) * scale
+        q = query[b].to(torch.float64).view(num_kv_heads, group, head_dim)
+        logits = torch.einsum("kgd,nkd->kgn", q, k).reshape(num_q_heads, -1) * scale
         if sinks is not None:
             logits = torch.cat([logits, sinks.to(torch.float64)[:, None]], dim=1)
-        probs = torch.softmax(logits, dim=1)[:, : k.shape[0]]
-        result[b] = torch.einsum("hn,nhd->hd", probs, v)
+        probs = torch.softmax(logits, dim=1)[:, : k.shape[0]].view(num_kv_heads, group, -1)
+        result[b] = torch.einsum("kgn,nkd->kgd", probs, v).reshape(num_q_heads, head_dim)
     return result

@@ -21,30 +21,129 @@ program writes a normalised partial output and its base-2 log-sum-exp, and
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kvpolicy.kernels.turboquant import kernel_tables, tq_layout
+from kvpolicy.kernels.turboquant import (
+    k3_program,
+    k4_program,
+    kernel_tables,
+    render_ptx,
+    tq_layout,
+    v3_program,
+    v4_program,
+)
 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _unpack_q3(p2, p1, hsh, S: tl.constexpr):
-    """Codes of quarter S from the 2-bit plane tile and the (column-duplicated) 1-bit plane tile."""
-    return ((p2 >> (2 * S)) & 3) | (((p1 >> (hsh + 2 * S)) & 1) << 2)
+_K4_ASM = tl.constexpr(render_ptx(k4_program()))
+_K3_ASM = tl.constexpr(render_ptx(k3_program()))
+_V4_ASM = tl.constexpr(render_ptx(v4_program()))
+_V3_ASM = tl.constexpr(render_ptx(v3_program()))
 
 
 @triton.jit
-def _codes_f16(x, V_MAGIC: tl.constexpr):
-    """Small non-negative integer codes as exact fp16."""
-    if V_MAGIC:
-        # 0x6400 is 1024.0: OR-ing a code into its mantissa gives 1024 + code,
-        # two integer-pipe ops instead of a quarter-rate int->float convert
-        return (x.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    return x.to(tl.float16)
+def _keys4(kb, cb_ptr, ASM: tl.constexpr):
+    """4-bit sign-magnitude key bytes -> (centroids of the low nibbles, of the high nibbles), fp16 unit variance."""
+    if ASM:
+        return tl.inline_asm_elementwise(_K4_ASM, "=r,=r,=r,=r,r", [kb], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    return tl.load(cb_ptr + (kb & 15).to(tl.int32)), tl.load(cb_ptr + (kb >> 4).to(tl.int32))
+
+
+@triton.jit
+def _keys3(p2, p1s, cb_ptr, ASM: tl.constexpr):
+    """3-bit keys: 2-bit plane bytes and sign bytes (quarter s at bit 2s) -> four quarters of fp16 centroids."""
+    if ASM:
+        return tl.inline_asm_elementwise(_K3_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [p2, p1s],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    c0 = ((p2 & 3) | ((p1s & 1) << 2)).to(tl.int32)
+    c1 = (((p2 >> 2) & 3) | (((p1s >> 2) & 1) << 2)).to(tl.int32)
+    c2 = (((p2 >> 4) & 3) | (((p1s >> 4) & 1) << 2)).to(tl.int32)
+    c3 = (((p2 >> 6) & 3) | (((p1s >> 6) & 1) << 2)).to(tl.int32)
+    return tl.load(cb_ptr + c0), tl.load(cb_ptr + c1), tl.load(cb_ptr + c2), tl.load(cb_ptr + c3)
+
+
+@triton.jit
+def _values4(vb, ASM: tl.constexpr):
+    """4-bit value bytes -> (1024 + low nibble, 1024 + 16 * high nibble), exact fp16."""
+    if ASM:
+        return tl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r", [vb], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    return ((vb & 15).to(tl.float32) + 1024.0).to(tl.float16), ((vb & 0xF0).to(tl.float32) + 1024.0).to(tl.float16)
+
+
+@triton.jit
+def _values3(p2, p1s, ASM: tl.constexpr):
+    """3-bit value codes -> quarter s as 1024 + 4^s * code, exact fp16."""
+    if ASM:
+        return tl.inline_asm_elementwise(_V3_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [p2, p1s],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    a = p2.to(tl.int32)
+    c = p1s.to(tl.int32) << 2
+    v0 = ((a & 0x03) | (c & 0x04)).to(tl.float32) + 1024.0
+    v1 = ((a & 0x0C) | (c & 0x10)).to(tl.float32) + 1024.0
+    v2 = ((a & 0x30) | (c & 0x40)).to(tl.float32) + 1024.0
+    v3 = ((a & 0xC0) | (c & 0x100)).to(tl.float32) + 1024.0
+    return v0.to(tl.float16), v1.to(tl.float16), v2.to(tl.float16), v3.to(tl.float16)
+
+
+@triton.jit
+def _tile_pages(bt_row, n0, max_pages, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
+                PPT: tl.constexpr):
+    """Physical page of each SUB-row chunk of the tile starting at token n0 (page 0 past the table's end)."""
+    c_page = (n0 + tl.arange(0, PPT) * SUB) // PAGE
+    return tl.load(bt_row + c_page, mask=c_page < max_pages, other=0)
+
+
+@triton.jit
+def _load_tile(cache_u8_ptr, cache_f16_ptr, pages, n0, kvh, start, hi,
+               SLOT: tl.constexpr, NUM_KV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+               KEY_BITS: tl.constexpr, V_BITS: tl.constexpr, V_OFF: tl.constexpr, KNORM_OFF: tl.constexpr,
+               VSCALE_OFF: tl.constexpr, VZERO_OFF: tl.constexpr,
+               BLOCK_N: tl.constexpr, SUB: tl.constexpr, PPT: tl.constexpr):
+    """Packed bytes of one tile: (key bytes, key 1-bit plane, value bytes, value 1-bit plane, knorm, vscale, vzero).
+
+    One 64-bit base per page and compile-time row offsets, so every load is `LDG [base + imm]`.
+    Code bytes load unmasked (every row lies in a real page; pages past the table read page 0):
+    rows outside [start, hi) are dropped by the score mask. The fp16 scale and zero are masked
+    because stale ones may be inf or NaN and 0 * NaN is NaN.
+    """
+    STRIDE_TOK: tl.constexpr = NUM_KV * SLOT
+    STRIDE_BLK: tl.constexpr = PAGE * NUM_KV * SLOT
+    KC: tl.constexpr = HEAD_DIM if KEY_BITS == 8 else (HEAD_DIM // 2 if KEY_BITS == 4 else HEAD_DIM // 4)
+    VC: tl.constexpr = HEAD_DIM // 2 if V_BITS == 4 else HEAD_DIM // 4
+    E: tl.constexpr = HEAD_DIM // 8
+    sub_rows = tl.arange(0, SUB)
+    c_tok = n0 + tl.arange(0, PPT) * SUB
+    base = pages.to(tl.int64) * STRIDE_BLK + (c_tok % PAGE) * STRIDE_TOK + kvh * SLOT  # [PPT]
+    row = base[:, None] + sub_rows[None, :] * STRIDE_TOK  # [PPT, SUB]
+    row3 = cache_u8_ptr + row[:, :, None]
+    row16 = tl.reshape(row >> 1, [BLOCK_N])  # fp16 fields: slots and strides are even
+    tok = tl.reshape(c_tok[:, None] + sub_rows[None, :], [BLOCK_N])
+    n_mask = (tok < hi) & (tok >= start)
+    cols_k = tl.arange(0, KC)
+    cols_v = tl.arange(0, VC)
+    ka = tl.reshape(tl.load(row3 + cols_k[None, None, :]), [BLOCK_N, KC])
+    kx = ka
+    if KEY_BITS == 3:
+        kx = tl.reshape(tl.load(row3 + KC + (cols_k % E)[None, None, :]), [BLOCK_N, KC])
+    va = tl.reshape(tl.load(row3 + V_OFF + cols_v[None, None, :]), [BLOCK_N, VC])
+    vx = va
+    if V_BITS == 3:
+        vx = tl.reshape(tl.load(row3 + V_OFF + VC + (cols_v % E)[None, None, :]), [BLOCK_N, VC])
+    knorm = tl.zeros([BLOCK_N], dtype=tl.float16)
+    if KEY_BITS != 8:
+        knorm = tl.load(cache_f16_ptr + row16 + KNORM_OFF // 2)
+    vscale = tl.load(cache_f16_ptr + row16 + VSCALE_OFF // 2, mask=n_mask, other=0.0)
+    vzero = tl.load(cache_f16_ptr + row16 + VZERO_OFF // 2, mask=n_mask, other=0.0)
+    return ka, kx, va, vx, knorm, vscale, vzero
 
 
 @triton.jit
@@ -53,17 +152,20 @@ def _tq_decode_kernel(
     q_ptr, cache_u8_ptr, cache_f16_ptr, block_tables_ptr, seq_lens_ptr,
     rot_ptr, cb_ptr, sinks_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     # scalars
-    q_scale, rot_scale, window,
-    # strides (query/out in elements, cache in bytes)
+    q_scale, rot_scale, window, max_pages,
+    # strides (elements)
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-    # geometry and layout
+    # geometry and layout (the cache is contiguous: its strides are constants)
     NUM_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SLOT: tl.constexpr,
-    PAGE: tl.constexpr, STRIDE_BLK: tl.constexpr, STRIDE_TOK: tl.constexpr, KEY_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    PAGE: tl.constexpr, KEY_BITS: tl.constexpr, V_BITS: tl.constexpr,
     V_OFF: tl.constexpr, KNORM_OFF: tl.constexpr, VSCALE_OFF: tl.constexpr, VZERO_OFF: tl.constexpr,
     # tiling and options
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, V_MAGIC: tl.constexpr, LOOKUP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
 ):
+    SUB: tl.constexpr = BLOCK_N if BLOCK_N < PAGE else PAGE  # rows of one page inside a tile
+    PPT: tl.constexpr = BLOCK_N // SUB  # pages per tile
+
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // NUM_KV
@@ -73,7 +175,7 @@ def _tq_decode_kernel(
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    # splits and tiles are aligned to BLOCK_N (which divides PAGE) so that a tile never straddles pages
+    # tiles are aligned to BLOCK_N so that a tile's rows sit in whole sub-pages
     first = (start // BLOCK_N) * BLOCK_N
     per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = first + pid_s * per_split
@@ -116,90 +218,81 @@ def _tq_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     z_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j p_j * zero_j
+    w_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j fp16(p_j * scale_j): the 1024 offset's weight
     acc0 = tl.zeros([BLOCK_M, VC], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_M, VC], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, VC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_M, VC], dtype=tl.float32)
-    hsh_k = cols_k // E  # 3-bit: which half of a quarter -> which bit of the 1-bit plane byte
-    hsh_v = cols_v // E
+    # 3-bit: column j of a quarter reads 1-bit-plane byte j mod E at bit 2s + j // E
+    hsh_k = (cols_k // E).to(tl.uint8)
+    hsh_v = (cols_v // E).to(tl.uint8)
+    bt_row = block_tables_ptr + b * stride_btb
+
+    # software pipeline: the bytes of tile i+1 are in flight while tile i is computed, and the
+    # page ids of tile i+2 (the loads the byte addresses depend on) one step earlier still
+    pages = _tile_pages(bt_row, lo, max_pages, PAGE, BLOCK_N, SUB, PPT)
+    pages_next = _tile_pages(bt_row, lo + BLOCK_N, max_pages, PAGE, BLOCK_N, SUB, PPT)
+    ka, kx, va, vx, knorm, vscale, vzero = _load_tile(
+        cache_u8_ptr, cache_f16_ptr, pages, lo, kvh, start, hi, SLOT, NUM_KV, PAGE, HEAD_DIM, KEY_BITS, V_BITS,
+        V_OFF, KNORM_OFF, VSCALE_OFF, VZERO_OFF, BLOCK_N, SUB, PPT)
 
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = (offs_n < hi) & (offs_n >= start)
-        # one page per tile: a scalar 64-bit base plus compile-time row offsets, so every load
-        # is `LDG [base + imm]` instead of a 64-bit address computation per row
-        page = tl.load(block_tables_ptr + b * stride_btb + n0 // PAGE)
-        base = page.to(tl.int64) * STRIDE_BLK + (n0 % PAGE) * STRIDE_TOK + kvh * SLOT
-        row = base + tl.arange(0, BLOCK_N) * STRIDE_TOK
-        row_p = cache_u8_ptr + row[:, None]
-        ld_mask = n_mask[:, None]
+        if PREFETCH:
+            pages_next2 = _tile_pages(bt_row, n0 + 2 * BLOCK_N, max_pages, PAGE, BLOCK_N, SUB, PPT)
+            nka, nkx, nva, nvx, nknorm, nvscale, nvzero = _load_tile(
+                cache_u8_ptr, cache_f16_ptr, pages_next, n0 + BLOCK_N, kvh, start, hi, SLOT, NUM_KV, PAGE,
+                HEAD_DIM, KEY_BITS, V_BITS, V_OFF, KNORM_OFF, VSCALE_OFF, VZERO_OFF, BLOCK_N, SUB, PPT)
 
         # ---- scores (base 2) ----
         if KEY_BITS == 8:
-            kb = tl.load(row_p + cols_k[None, :], mask=ld_mask, other=0)
-            k = kb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            k = ka.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             s = tl.dot(q0, tl.trans(k))
         elif KEY_BITS == 4:
-            kb = tl.load(row_p + cols_k[None, :], mask=ld_mask, other=0)
-            i0 = (kb & 15).to(tl.int32)
-            i1 = (kb >> 4).to(tl.int32)
-            if LOOKUP:
-                k0 = tl.load(cb_ptr + i0)
-                k1 = tl.load(cb_ptr + i1)
-            else:  # diagnostic timing only: codes as values (wrong scores)
-                k0 = i0.to(tl.float16)
-                k1 = i1.to(tl.float16)
+            k0, k1 = _keys4(ka, cb_ptr, ASM)
             s = tl.dot(q0, tl.trans(k0))
             s = tl.dot(q1, tl.trans(k1), s)
         else:
-            p2 = tl.load(row_p + cols_k[None, :], mask=ld_mask, other=0)
-            p1 = tl.load(row_p + KC + (cols_k % E)[None, :], mask=ld_mask, other=0)
-            i0 = _unpack_q3(p2, p1, hsh_k[None, :], 0).to(tl.int32)
-            i1 = _unpack_q3(p2, p1, hsh_k[None, :], 1).to(tl.int32)
-            i2 = _unpack_q3(p2, p1, hsh_k[None, :], 2).to(tl.int32)
-            i3 = _unpack_q3(p2, p1, hsh_k[None, :], 3).to(tl.int32)
-            if LOOKUP:
-                k0 = tl.load(cb_ptr + i0)
-                k1 = tl.load(cb_ptr + i1)
-                k2 = tl.load(cb_ptr + i2)
-                k3 = tl.load(cb_ptr + i3)
-            else:
-                k0 = i0.to(tl.float16)
-                k1 = i1.to(tl.float16)
-                k2 = i2.to(tl.float16)
-                k3 = i3.to(tl.float16)
+            k0, k1, k2, k3 = _keys3(ka, kx >> hsh_k[None, :], cb_ptr, ASM)
             s = tl.dot(q0, tl.trans(k0))
             s = tl.dot(q1, tl.trans(k1), s)
             s = tl.dot(q2, tl.trans(k2), s)
             s = tl.dot(q3, tl.trans(k3), s)
         if KEY_BITS != 8:
-            knorm = tl.load(cache_f16_ptr + (row >> 1) + KNORM_OFF // 2, mask=n_mask, other=0.0)
             s = s * knorm.to(tl.float32)[None, :]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        s = tl.where(n_mask[None, :], s, float("-inf"))  # also drops NaN from stale slots
 
         # ---- online softmax ----
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vscale = tl.load(cache_f16_ptr + (row >> 1) + VSCALE_OFF // 2, mask=n_mask, other=0.0).to(tl.float32)
-        vzero = tl.load(cache_f16_ptr + (row >> 1) + VZERO_OFF // 2, mask=n_mask, other=0.0).to(tl.float32)
-        z_i = z_i * alpha + tl.sum(p * vzero[None, :], axis=1)
-        pv = (p * vscale[None, :]).to(tl.float16)
+        z_i = z_i * alpha + tl.sum(p * vzero.to(tl.float32)[None, :], axis=1)
+        pv = (p * vscale.to(tl.float32)[None, :]).to(tl.float16)
+        w_i = w_i * alpha + tl.sum(pv.to(tl.float32), axis=1)
         m_i = m_new
 
-        # ---- P @ codes (values never dequantized) ----
+        # ---- P @ codes: values are never dequantized, scale and zero were folded above ----
         if V_BITS == 4:
-            vb = tl.load(row_p + V_OFF + cols_v[None, :], mask=ld_mask, other=0)
-            acc0 = tl.dot(pv, _codes_f16(vb & 15, V_MAGIC), acc0 * alpha[:, None])
-            acc1 = tl.dot(pv, _codes_f16(vb >> 4, V_MAGIC), acc1 * alpha[:, None])
+            v0, v1 = _values4(va, ASM)
+            acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
+            acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
         else:
-            vp2 = tl.load(row_p + V_OFF + cols_v[None, :], mask=ld_mask, other=0)
-            vp1 = tl.load(row_p + V_OFF + VC + (cols_v % E)[None, :], mask=ld_mask, other=0)
-            acc0 = tl.dot(pv, _codes_f16(_unpack_q3(vp2, vp1, hsh_v[None, :], 0), V_MAGIC), acc0 * alpha[:, None])
-            acc1 = tl.dot(pv, _codes_f16(_unpack_q3(vp2, vp1, hsh_v[None, :], 1), V_MAGIC), acc1 * alpha[:, None])
-            acc2 = tl.dot(pv, _codes_f16(_unpack_q3(vp2, vp1, hsh_v[None, :], 2), V_MAGIC), acc2 * alpha[:, None])
-            acc3 = tl.dot(pv, _codes_f16(_unpack_q3(vp2, vp1, hsh_v[None, :], 3), V_MAGIC), acc3 * alpha[:, None])
+            v0, v1, v2, v3 = _values3(va, vx >> hsh_v[None, :], ASM)
+            acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
+            acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
+            acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
+            acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
+
+        if PREFETCH:
+            ka, kx, va, vx, knorm, vscale, vzero = nka, nkx, nva, nvx, nknorm, nvscale, nvzero
+            pages_next = pages_next2
+        else:
+            pages_next = _tile_pages(bt_row, n0 + 2 * BLOCK_N, max_pages, PAGE, BLOCK_N, SUB, PPT)
+            ka, kx, va, vx, knorm, vscale, vzero = _load_tile(
+                cache_u8_ptr, cache_f16_ptr, pages_next, n0 + BLOCK_N, kvh, start, hi, SLOT, NUM_KV, PAGE,
+                HEAD_DIM, KEY_BITS, V_BITS, V_OFF, KNORM_OFF, VSCALE_OFF, VZERO_OFF, BLOCK_N, SUB, PPT)
 
     if NUM_SPLITS == 1:
         den = l_i
@@ -217,13 +310,20 @@ def _tq_decode_kernel(
         tl.store(part_lse_ptr + row_bh * NUM_SPLITS + pid_s, lse, mask=m_mask)
         o_base = part_o_ptr + (row_bh[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM
         o_ty = tl.float32
+    # out = (acc - 1024 * w) / f + z, with f the power of two of each chunk's code position
+    off = 1024.0 * w_i[:, None]
     zc = z_i[:, None]
     w = inv[:, None]
-    tl.store(o_base + (0 * VC + cols_v)[None, :], ((acc0 + zc) * w).to(o_ty), mask=m_mask[:, None])
-    tl.store(o_base + (1 * VC + cols_v)[None, :], ((acc1 + zc) * w).to(o_ty), mask=m_mask[:, None])
-    if V_BITS == 3:
-        tl.store(o_base + (2 * VC + cols_v)[None, :], ((acc2 + zc) * w).to(o_ty), mask=m_mask[:, None])
-        tl.store(o_base + (3 * VC + cols_v)[None, :], ((acc3 + zc) * w).to(o_ty), mask=m_mask[:, None])
+    if V_BITS == 4:
+        tl.store(o_base + cols_v[None, :], ((acc0 - off + zc) * w).to(o_ty), mask=m_mask[:, None])
+        tl.store(o_base + (VC + cols_v)[None, :], (((acc1 - off) * 0.0625 + zc) * w).to(o_ty), mask=m_mask[:, None])
+    else:
+        tl.store(o_base + cols_v[None, :], ((acc0 - off + zc) * w).to(o_ty), mask=m_mask[:, None])
+        tl.store(o_base + (VC + cols_v)[None, :], (((acc1 - off) * 0.25 + zc) * w).to(o_ty), mask=m_mask[:, None])
+        tl.store(o_base + (2 * VC + cols_v)[None, :], (((acc2 - off) * 0.0625 + zc) * w).to(o_ty),
+                 mask=m_mask[:, None])
+        tl.store(o_base + (3 * VC + cols_v)[None, :], (((acc3 - off) * 0.015625 + zc) * w).to(o_ty),
+                 mask=m_mask[:, None])
 
 
 @triton.jit
@@ -267,15 +367,16 @@ def decode_attention_tq(
     query: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, fmt: str,
     *, sm_scale: float | None = None, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
     num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-    v_magic: bool = True, lookup: bool = True,
+    use_asm: bool | None = None, prefetch: bool = True, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of `query` [B, Hq, D] over a packed TurboQuant cache; returns [B, Hq, D] in query's dtype.
 
     `cache` uint8 [num_blocks, block_size, num_kv_heads, slot_bytes]; `block_tables`
     int32 [B, max_blocks]; `seq_lens` int32 [B] (each >= 1). Query head h reads KV
     head h // (Hq // num_kv_heads). `sliding_window` W attends positions >= seq_len - W;
-    `sinks` fp32 [Hq] join the softmax denominator only. `lookup=False` is a
-    timing diagnostic (codes used as centroids: wrong output).
+    `sinks` fp32 [Hq] join the softmax denominator only. `use_asm` picks the PTX
+    register-LUT unpackers (default on a GPU; the interpreter runs the
+    equivalent pure-Triton path). `out` (optional) receives the result.
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [batch, q_heads, head_dim]; got {tuple(query.shape)}")
@@ -303,9 +404,14 @@ def decode_attention_tq(
     page = cache.shape[1]
     if num_splits is None:
         num_splits = default_num_splits(bsz, hkv, block_tables.shape[1] * page, block_n, query.device)
+    if use_asm is None:
+        use_asm = query.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     tabs = kernel_tables(fmt, d, cache.device)
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dimension; got {tuple(out.shape)}")
     if num_splits > 1:
         part_o = torch.empty((bsz * hq, num_splits, d), dtype=torch.float32, device=query.device)
         part_lse = torch.empty((bsz * hq, num_splits), dtype=torch.float32, device=query.device)
@@ -314,16 +420,15 @@ def decode_attention_tq(
     sinks_arg = sinks if sinks is not None else out
     _tq_decode_kernel[(bsz * hkv, num_splits)](
         query, cache, cache.view(torch.float16), block_tables, seq_lens,
-        tabs["rot_t_sign_f16"], tabs["codebook_unit_f16"], sinks_arg, out, part_o, part_lse,
-        scale * LOG2E, 1.0 / d, sliding_window or 0,
+        tabs["rot_t_sign_f16"], tabs["codebook_sm_unit_f16"], sinks_arg, out, part_o, part_lse,
+        scale * LOG2E, 1.0 / d, sliding_window or 0, block_tables.shape[1],
         query.stride(0), query.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_KV=hkv, GROUP=group, HEAD_DIM=d, SLOT=lay.slot_bytes, PAGE=page,
-        STRIDE_BLK=cache.stride(0), STRIDE_TOK=cache.stride(1),
         KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0),
         VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, V_MAGIC=v_magic, LOOKUP=lookup,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, ASM=use_asm, PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

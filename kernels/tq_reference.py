@@ -16,6 +16,8 @@ from kvpolicy.kernels.turboquant import (
     codebook_boundaries,
     hadamard_rotation,
     lloyd_max_codebook,
+    sign_magnitude_codes,
+    sorted_index,
     tq_layout,
 )
 
@@ -126,7 +128,8 @@ def pack_slots_ref(key: torch.Tensor, value: torch.Tensor, fmt: str) -> torch.Te
         out[..., lay.key_off : lay.key_off + lay.key_bytes] = kq.view(torch.uint8)
     else:
         codes, stored = quantize_keys_ref(key, lay.key_bits)
-        out[..., lay.key_off : lay.key_off + lay.key_bytes] = _pack_codes(codes, lay.key_bits)
+        sm = sign_magnitude_codes(codes, lay.key_bits)
+        out[..., lay.key_off : lay.key_off + lay.key_bytes] = _pack_codes(sm, lay.key_bits)
         out[..., lay.knorm_off : lay.knorm_off + 2] = _f16_bytes(stored)
     vcodes, scale, zero = quantize_values_ref(value, lay.value_bits)
     out[..., lay.val_off : lay.val_off + lay.val_bytes] = _pack_codes(vcodes, lay.value_bits)
@@ -136,14 +139,14 @@ def pack_slots_ref(key: torch.Tensor, value: torch.Tensor, fmt: str) -> torch.Te
 
 
 def unpack_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int) -> dict[str, torch.Tensor]:
-    """Decode slots uint8 [..., slot_bytes] into codes and fp16 fields (as float64 / int64)."""
+    """Decode slots uint8 [..., slot_bytes] into fields: key codes as sorted centroid indices, fp16 fields as float64."""
     lay = tq_layout(fmt, head_dim)
     kb = slots[..., lay.key_off : lay.key_off + lay.key_bytes]
     out: dict[str, torch.Tensor] = {}
     if lay.key_fp8:
         out["key_fp8"] = kb.contiguous().view(torch.float8_e4m3fn).to(torch.float64)
     else:
-        out["key_codes"] = _unpack_codes(kb, lay.key_bits, head_dim)
+        out["key_codes"] = sorted_index(_unpack_codes(kb, lay.key_bits, head_dim), lay.key_bits)
         out["key_norm"] = _bytes_f16(slots[..., lay.knorm_off : lay.knorm_off + 2])
     out["value_codes"] = _unpack_codes(slots[..., lay.val_off : lay.val_off + lay.val_bytes], lay.value_bits, head_dim)
     out["value_scale"] = _bytes_f16(slots[..., lay.vscale_off : lay.vscale_off + 2])
@@ -213,3 +216,57 @@ def decode_attention_tq_ref(
         k, v = dequantize_slots_ref(slots, fmt, d)
         outs.append(attention_ref(query[b], k, v, scale, sliding_window, sinks))
     return torch.stack(outs)
+
+
+# --- PTX register programs ------------------------------------------------------------
+
+
+def _prmt(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """PTX prmt.b32 default mode: byte i of d = byte (c >> 4i) & 7 of {b, a}, or its sign if bit 3 is set."""
+    src = (b.to(torch.int64) << 32) | a.to(torch.int64)
+    d = torch.zeros_like(src)
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = (src >> (8 * (sel & 7))) & 0xFF
+        byte = torch.where(sel & 8 != 0, torch.where(byte & 0x80 != 0, 0xFF, 0), byte)
+        d |= byte << (8 * i)
+    return d
+
+
+def _lop3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, lut: int) -> torch.Tensor:
+    d = torch.zeros_like(a)
+    for bit in range(8):
+        if lut >> bit & 1:
+            ta = a if bit & 4 else ~a
+            tb = b if bit & 2 else ~b
+            tc = c if bit & 1 else ~c
+            d |= ta & tb & tc
+    return d & 0xFFFFFFFF
+
+
+def emulate_ptx(prog: list, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run a register program (see `turboquant.render_ptx`) on int64 tensors holding 32-bit words."""
+    regs = {k: v.to(torch.int64) & 0xFFFFFFFF for k, v in inputs.items()}
+    like = next(iter(regs.values()))
+
+    def val(x):
+        return regs[x] if isinstance(x, str) else torch.full_like(like, x & 0xFFFFFFFF)
+
+    for op, dst, *src in prog:
+        a = val(src[0])
+        if op == "and":
+            r = a & val(src[1])
+        elif op == "shl":
+            r = (a << src[1]) & 0xFFFFFFFF
+        elif op == "shr":
+            r = a >> src[1]
+        elif op == "prmt":
+            r = _prmt(a, val(src[1]), val(src[2]))
+        elif op == "lop3":
+            r = _lop3(a, val(src[1]), val(src[2]), src[3])
+        elif op == "mad":
+            r = (a * val(src[1]) + val(src[2])) & 0xFFFFFFFF
+        else:
+            raise ValueError(f"unknown op {op}")
+        regs[dst] = r
+    return regs

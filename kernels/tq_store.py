@@ -52,6 +52,7 @@ def _store_kv_tq_kernel(
         NCH: tl.constexpr = 2 if KEY_BITS == 4 else 4
         C: tl.constexpr = HEAD_DIM // NCH
         E: tl.constexpr = HEAD_DIM // 8
+        HALF: tl.constexpr = 2 ** (KEY_BITS - 1)
         knorm = tl.sqrt(tl.sum(k * k, axis=1))
         inv = tl.where(knorm > 0, 1.0 / tl.where(knorm > 0, knorm, 1.0), 0.0)
         cols_c = tl.arange(0, C)
@@ -67,6 +68,8 @@ def _store_kv_tq_kernel(
                 idx += (u > tl.load(bnd_ptr + lvl)).to(tl.int32)
             cval = tl.load(cb_ptr + idx)
             csq += tl.sum(cval * cval, axis=1)
+            # sign-magnitude code: the decoder's register table holds only the positive half
+            idx = tl.where(idx >= HALF, idx - HALF, (HALF - 1 - idx) | HALF)
             if KEY_BITS == 4:
                 packed = packed | (idx << (4 * c))
             else:

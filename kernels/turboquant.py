@@ -18,6 +18,13 @@ bits 2s..2s+1 = low bits of coordinate s*D/4 + j) and D/8 bytes of 1-bit
 fields (byte j, bit t = bit 2 of coordinate t*D/8 + j), so each quarter of the
 vector unpacks with one shift per plane.
 
+Key codes are sign-magnitude, not the sorted centroid index: for b bits the
+code is (negative << (b-1)) | r and means (-1)^negative * m[r], where m are the
+2^(b-1) positive centroids in increasing order (the Lloyd-Max codebook of a
+symmetric density is odd). The decoder then needs a table of 4 or 8 fp16
+magnitudes, which fits in 2-4 registers and is read with byte permutes (PRMT)
+plus an XOR of the sign bit.
+
 Norm correction ("nc") is folded at store time: the stored fp16 norm is
 ||k|| / ||c[idx]||, so the decode kernel computes ||k|| * <q_rot, c[idx]/||c[idx]||>
 with one multiply per token instead of re-normalising every key.
@@ -159,6 +166,25 @@ def lloyd_max_codebook(bits: int, head_dim: int) -> torch.Tensor:
     return torch.tensor(_unit_lloyd_max(bits), dtype=torch.float64) / math.sqrt(head_dim)
 
 
+def sign_magnitude_codes(index: torch.Tensor, bits: int) -> torch.Tensor:
+    """Sorted centroid index (0 .. 2^b - 1) -> sign-magnitude code ((neg << (b-1)) | r)."""
+    half = 2 ** (bits - 1)
+    return torch.where(index >= half, index - half, (half - 1 - index) | half)
+
+
+def sorted_index(code: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `sign_magnitude_codes`."""
+    half = 2 ** (bits - 1)
+    r = code & (half - 1)
+    return torch.where(code & half != 0, half - 1 - r, half + r)
+
+
+def sign_magnitude_codebook(bits: int, head_dim: int) -> torch.Tensor:
+    """Centroid (float64, N(0, 1/head_dim) units) of every sign-magnitude code 0 .. 2^b - 1."""
+    cb = lloyd_max_codebook(bits, head_dim)
+    return cb[sorted_index(torch.arange(2**bits), bits)]
+
+
 def codebook_boundaries(codebook: torch.Tensor) -> torch.Tensor:
     """Decision thresholds of a nearest-centroid quantizer: midpoints of adjacent centroids."""
     return 0.5 * (codebook[1:] + codebook[:-1])
@@ -205,8 +231,9 @@ def _kernel_tables_cpu(fmt: str, head_dim: int) -> dict[str, torch.Tensor]:
     kbits = 4 if lay.key_fp8 else lay.key_bits  # FP8 keys need no codebook; pass a valid dummy
     cb = lloyd_max_codebook(kbits, head_dim)
     return {
-        # decode: unit-variance centroids (values ~0.1..2.7) keep fp16 precision; 1/sqrt(D) goes into q's scale
-        "codebook_unit_f16": (cb * math.sqrt(head_dim)).to(torch.float16),
+        # decode: unit-variance centroids (values ~0.1..2.7) keep fp16 precision; 1/sqrt(D) goes into
+        # q's scale. Indexed by sign-magnitude code (the interpreter path's table lookup).
+        "codebook_sm_unit_f16": (sign_magnitude_codebook(kbits, head_dim) * math.sqrt(head_dim)).to(torch.float16),
         # store: exact-in-fp32 rotation and thresholds in N(0, 1/D) units
         "codebook_f32": cb.to(torch.float32),
         "boundaries_f32": codebook_boundaries(cb).to(torch.float32),
@@ -242,3 +269,142 @@ def capacity_ratio(fmt: str, head_dim: int) -> float:
 def turboquant_mse_bound(bits: int) -> float:
     """The TurboQuant paper's MSE bound for unit vectors: (sqrt(3) pi / 2) 4^-b."""
     return math.sqrt(3) * math.pi / 2 * 4.0**-bits
+
+
+# --- register look-up programs (PTX) ------------------------------------------------
+#
+# The decode kernel unpacks codes with short PTX programs run by
+# `tl.inline_asm_elementwise(pack=4)`: one instance gets 4 packed bytes per
+# input in one 32-bit register and returns fp16 pairs. They are kept here as
+# data, (op, dst, src...) with ops and/shl/shr/prmt/lop3/mad on .b32, so that
+# `render_ptx` emits them and `tq_reference.emulate_ptx` checks them bit for bit
+# on the CPU. Outputs follow Triton's packing: output k uses registers
+# $2k, $2k+1 (elements 0,1 and 2,3; element 0 in the low half).
+
+PtxOp = tuple
+
+MAGIC_1024 = 0x64006400
+"""Two fp16 1024.0: OR-ing a small integer n into the low mantissa bits gives 1024 + n exactly."""
+
+
+def _f16_bits(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.float16).view(torch.int16).item()) & 0xFFFF
+
+
+def _magnitude_words(bits: int) -> list[int]:
+    """fp16 bit patterns of the positive unit-variance centroids m[0..2^(b-1)-1]."""
+    return [_f16_bits(v) for v in _unit_lloyd_max(bits)[2 ** (bits - 1):]]
+
+
+def k4_program() -> list[PtxOp]:
+    """4-bit sign-magnitude key codes: in $4 = 4 bytes (low/high nibbles); out lo ($0,$1) and hi ($2,$3) fp16 centroids."""
+    m = _magnitude_words(4)
+    lo = [w & 0xFF for w in m]
+    hi = [w >> 8 for w in m]
+    la = lo[0] | lo[1] << 8 | lo[2] << 16 | lo[3] << 24
+    lb = lo[4] | lo[5] << 8 | lo[6] << 16 | lo[7] << 24
+    ha = hi[0] | hi[1] << 8 | hi[2] << 16 | hi[3] << 24
+    hb = hi[4] | hi[5] << 8 | hi[6] << 16 | hi[7] << 24
+    sign = 0x80008000
+    xor_masked = 0x78  # lop3: a ^ (b & c)
+    return [
+        ("and", "s0", "$4", 0x7777),  # magnitude selectors of nibbles [l0, h0, l1, h1]
+        ("shr", "s1", "$4", 16),
+        ("and", "s1", "s1", 0x7777),  # [l2, h2, l3, h3]
+        ("prmt", "p0", la, lb, "s0"),  # low bytes of m[r]
+        ("prmt", "q0", ha, hb, "s0"),  # high bytes
+        ("prmt", "p1", la, lb, "s1"),
+        ("prmt", "q1", ha, hb, "s1"),
+        ("prmt", "$0", "p0", "q0", 0x6240),  # fp16 pair [m(l0), m(l1)]
+        ("prmt", "$2", "p0", "q0", 0x7351),  # [m(h0), m(h1)]
+        ("prmt", "$1", "p1", "q1", 0x6240),
+        ("prmt", "$3", "p1", "q1", 0x7351),
+        ("prmt", "y", "$4", 0, 0x1404),  # byte0 -> bits 8..15, byte1 -> 24..31: high-nibble sign bits at 15, 31
+        ("prmt", "z", "$4", 0, 0x3424),
+        ("lop3", "$2", "$2", "y", sign, xor_masked),
+        ("lop3", "$3", "$3", "z", sign, xor_masked),
+        ("shl", "y", "y", 4),  # low-nibble sign bits (3, 11 of a byte pair) to 15, 31
+        ("shl", "z", "z", 4),
+        ("lop3", "$0", "$0", "y", sign, xor_masked),
+        ("lop3", "$1", "$1", "z", sign, xor_masked),
+    ]
+
+
+def k3_program() -> list[PtxOp]:
+    """3-bit sign-magnitude keys: in $8 = 2-bit plane bytes (r of quarter s at bits 2s..2s+1),
+    $9 = sign bytes (quarter s at bit 2s); out quarter s as fp16 centroids in ($2s, $2s+1)."""
+    m = _magnitude_words(3)
+    ma = m[0] | m[1] << 16
+    mb = m[2] | m[3] << 16
+    prog: list[PtxOp] = [
+        ("prmt", "y", "$9", 0, 0x1404),  # sign bytes 0, 1 -> bits 8.., 24..
+        ("prmt", "z", "$9", 0, 0x3424),  # sign bytes 2, 3
+    ]
+    for s in range(4):
+        prog += [
+            ("shr", "r", "$8", 2 * s),
+            ("and", "r", "r", 0x03030303),
+            # byte k becomes the PRMT selector pair (2r, 2r+1): the fp16 m[r] in {mb, ma}
+            ("mad", "r", "r", 0x22, 0x10101010),
+            ("prmt", f"${2 * s}", ma, mb, "r"),
+            ("shr", "r", "r", 16),
+            ("prmt", f"${2 * s + 1}", ma, mb, "r"),
+            ("shl", "t", "y", 7 - 2 * s),
+            ("lop3", f"${2 * s}", f"${2 * s}", "t", 0x80008000, 0x78),
+            ("shl", "t", "z", 7 - 2 * s),
+            ("lop3", f"${2 * s + 1}", f"${2 * s + 1}", "t", 0x80008000, 0x78),
+        ]
+    return prog
+
+
+def v4_program() -> list[PtxOp]:
+    """4-bit value codes: in $4 = 4 bytes; out ($0,$1) = 1024 + low nibble, ($2,$3) = 1024 + 16 * high nibble."""
+    or_masked = 0xEA  # lop3: (a & b) | c
+    return [
+        ("prmt", "a", "$4", 0, 0x4140),  # bytes 0, 1 into the two 16-bit lanes
+        ("prmt", "b", "$4", 0, 0x4342),
+        ("lop3", "$0", "a", 0x000F000F, MAGIC_1024, or_masked),
+        ("lop3", "$1", "b", 0x000F000F, MAGIC_1024, or_masked),
+        ("lop3", "$2", "a", 0x00F000F0, MAGIC_1024, or_masked),
+        ("lop3", "$3", "b", 0x00F000F0, MAGIC_1024, or_masked),
+    ]
+
+
+def v3_program() -> list[PtxOp]:
+    """3-bit value codes: in $8 = 2-bit plane bytes, $9 = high-bit bytes (quarter s at bit 2s);
+    out quarter s = 1024 + 4^s * code in ($2s, $2s+1): the code's bits stay where they are."""
+    prog: list[PtxOp] = [
+        ("prmt", "a", "$8", 0, 0x4140),
+        ("prmt", "b", "$8", 0, 0x4342),
+        ("prmt", "c", "$9", 0, 0x4140),
+        ("prmt", "d", "$9", 0, 0x4342),
+        ("shl", "c", "c", 2),  # high bit of quarter s: 2s -> 2s + 2, just above its two low bits
+        ("shl", "d", "d", 2),
+    ]
+    for s in range(4):
+        low = (0x3 << (2 * s)) * 0x00010001
+        high = (0x4 << (2 * s)) * 0x00010001
+        prog += [
+            ("lop3", "t", "c", high, MAGIC_1024, 0xEA),
+            ("lop3", f"${2 * s}", "a", low, "t", 0xEA),
+            ("lop3", "t", "d", high, MAGIC_1024, 0xEA),
+            ("lop3", f"${2 * s + 1}", "b", low, "t", 0xEA),
+        ]
+    return prog
+
+
+_PTX_NAMES = {"and": "and.b32", "shl": "shl.b32", "shr": "shr.b32", "prmt": "prmt.b32", "lop3": "lop3.b32",
+              "mad": "mad.lo.u32"}
+
+
+def render_ptx(prog: list[PtxOp]) -> str:
+    """PTX text of a register program, temporaries declared in a local scope."""
+    temps = sorted({op[1] for op in prog if not str(op[1]).startswith("$")})
+    lines = ["{"]
+    if temps:
+        lines.append(".reg .b32 " + ", ".join(temps) + ";")
+    for op in prog:
+        args = [a if isinstance(a, str) else hex(a) for a in op[1:]]
+        lines.append(f"{_PTX_NAMES[op[0]]} {', '.join(args)};")
+    lines.append("}")
+    return "\n".join(lines)

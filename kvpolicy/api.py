@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from kvpolicy.decision import Priority, Recommendation, Workload
+from kvpolicy.decision import Priority, Workload
 from kvpolicy.errors import InputError, did_you_mean
 
 MAX_BODY_BYTES = 64 * 1024
@@ -22,8 +22,8 @@ MAX_CHECK_DEPLOYMENTS = 128
 MAX_CONTEXT_TOKENS: int = next(m.le for m in Workload.model_fields["context_tokens"].metadata if hasattr(m, "le"))
 """The Workload's bound on context_tokens, applied to `context` before the request is evaluated."""
 
-ErrorKind = Literal["invalid_json", "invalid_request", "unknown_model", "unknown_gpu", "body_too_large",
-                    "not_found", "method_not_allowed", "internal_error"]
+ErrorKind = Literal["invalid_json", "invalid_request", "unknown_model", "unknown_gpu", "deployment_error",
+                    "body_too_large", "not_found", "method_not_allowed", "internal_error"]
 
 
 def _tokens(value: Any) -> int:
@@ -42,7 +42,7 @@ def _tokens(value: Any) -> int:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class RecommendRequest(_Body):
@@ -123,20 +123,23 @@ class CheckError(_Body):
     detail: str
     """What is wrong and how to fix it."""
     location: str | None = None
-    """The offending field of that deployment."""
+    """The offending field of that deployment, when known."""
 
 
 class CheckResult(_Body):
-    """The outcome for one deployment."""
+    """The outcome for one deployment, as `kvpolicy check` judges it."""
 
     name: str
     """Deployment name."""
-    ok: bool
-    """Whether it could be evaluated."""
-    recommendation: Recommendation | None = None
-    """The decision, estimates and trace (as `POST /v1/recommend` returns them), when ok."""
+    status: Literal["ok", "violation", "error"]
+    """ok; violation (evaluated, but breaks a check such as capacity or the accuracy floor); error (not evaluated)."""
+    violations: list[str] = Field(default_factory=list)
+    """What the deployment breaks and how to fix it."""
     error: CheckError | None = None
-    """Why not, when not ok."""
+    """Why it could not be evaluated (status error)."""
+    report: dict[str, Any] | None = None
+    """What `kvpolicy check` reports for it: decision, vllm_args, decided_by, capacity, accuracy_recovery,
+    warnings, model, gpu, policy (null when it could not be evaluated)."""
 
 
 class CheckResponse(_Body):
@@ -146,14 +149,18 @@ class CheckResponse(_Body):
     """Policy name and content hash (`name@hash`) that answered."""
     source: Literal["request", "policy"]
     """Where the deployments came from: the request body or the policy's `deployments:`."""
+    ok: bool
+    """True when every deployment is ok (no violation, no error): the answer a CI gate wants."""
     num_deployments: int
-    """Deployments evaluated."""
+    """Deployments checked."""
     num_ok: int
-    """Deployments that produced a recommendation."""
-    num_failed: int
-    """Deployments that could not be evaluated (see each result's error)."""
+    """Deployments with status ok."""
+    num_violations: int
+    """Deployments with status violation."""
+    num_errors: int
+    """Deployments with status error."""
     results: list[CheckResult]
-    """One result per deployment, in request order."""
+    """One result per deployment, in request (or policy) order."""
 
 
 def field_errors(exc: ValidationError, body: type[BaseModel]) -> list[FieldError]:
@@ -191,5 +198,11 @@ def _location(loc: tuple[Any, ...]) -> str:
 
 
 def _short(value: Any) -> str:
-    text = "null" if value is None else repr(value)
+    """The offending value as JSON would spell it, cut to 60 characters."""
+    import json
+
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

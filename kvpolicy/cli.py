@@ -22,11 +22,16 @@ EXIT_INTERNAL = 3
 COMMANDS: dict[str, tuple[str, str]] = {
     "recommend": ("kvpolicy.commands.recommend", "Recommend KV-cache settings for a model on a GPU."),
     "explain": ("kvpolicy.commands.recommend", "Show the full rule trace of one decision."),
+    "init": ("kvpolicy.commands.policy", "Write a commented starter policy and its tests in this folder."),
+    "lint": ("kvpolicy.commands.policy", "Find schema errors, unreachable/shadowed rules and bad thresholds."),
+    "test": ("kvpolicy.commands.policy", "Run the policy unit tests (*_test.yaml) next to each policy."),
+    "check": ("kvpolicy.commands.policy", "Evaluate every deployment of a policy: decisions, capacity, warnings."),
+    "diff": ("kvpolicy.commands.policy", "Show how a policy change alters each deployment's decision, and why."),
     "rule": ("kvpolicy.commands.catalogs", "Print a rule's statement, why-text and evidence (e.g. KV106)."),
     "facts": ("kvpolicy.commands.catalogs", "List the facts rules can test."),
     "models": ("kvpolicy.commands.catalogs", "List the model catalog."),
     "gpus": ("kvpolicy.commands.catalogs", "List the GPU catalog."),
-    "schema": ("kvpolicy.commands.catalogs", "Write the JSON Schemas (policy, recommendation) to schemas/."),
+    "schema": ("kvpolicy.commands.catalogs", "Write the JSON Schemas (policy, tests, recommendation, service) to schemas/."),
     "serve": ("kvpolicy.commands.serve", "Serve the policy as an HTTP JSON decision service (needs the serve extra)."),
 }
 

@@ -7,10 +7,52 @@ formatting. Data files of our own use the faster C-backed safe loader.
 
 from __future__ import annotations
 
+import io
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.errors import InputError, PolicyError, did_you_mean
+from kvpolicy.errors import InputError, KvPolicyError, PolicyError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One message tied to a place in a file; `line` and `col` are 1-based when known."""
+
+    file: str
+    """File the problem is in (as the user named it)."""
+    message: str
+    """What is wrong and how to fix it."""
+    line: int | None = None
+    """1-based line, when known."""
+    col: int | None = None
+    """1-based column, when known."""
+    kind: str = "schema"
+    """yaml, schema, unknown-key, extends or reference (lint maps kinds to its codes)."""
+
+    def __str__(self) -> str:
+        at = self.file
+        if self.line is not None:
+            at += f":{self.line}" + (f":{self.col}" if self.col is not None else "")
+        return f"{at}: {self.message}"
+
+
+def located_error(problems: list[Problem], cls: type[KvPolicyError] = PolicyError, tail: str = "") -> KvPolicyError:
+    """An error whose message lists the problems; `error.problems` keeps them for lint and CI output."""
+    err = cls("\n".join(str(p) for p in problems) + (f"\n{tail}" if tail else ""))
+    err.problems = list(problems)  # type: ignore[attr-defined]
+    return err
+
+
+def error_problems(err: BaseException, fallback_file: str) -> list[Problem]:
+    """The problems an error carries, or one problem holding its message."""
+    found = getattr(err, "problems", None)
+    if found:
+        return list(found)
+    return [Problem(fallback_file, str(err), kind="schema")]
 
 
 def read_text(path: Path) -> str:
@@ -28,31 +70,115 @@ def read_text(path: Path) -> str:
 def load_safe(text: str, where: str) -> Any:
     """Parse YAML into plain dicts and lists (fast; no positions)."""
     from ruamel.yaml import YAML
-    from ruamel.yaml.error import YAMLError
 
     try:
         return YAML(typ="safe").load(text)
-    except YAMLError as exc:
-        raise PolicyError(f"{where}: malformed YAML: {_yaml_problem(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - any parser failure is the file's fault, not ours
+        raise located_error([yaml_problem(exc, where)]) from None
 
 
 def load_roundtrip(text: str, where: str) -> Any:
     """Parse YAML keeping positions, comments and order (ruamel CommentedMap/Seq)."""
-    from ruamel.yaml import YAML
-    from ruamel.yaml.error import YAMLError
-
     try:
-        return YAML(typ="rt").load(text)
-    except YAMLError as exc:
-        raise PolicyError(f"{where}: malformed YAML: {_yaml_problem(exc)}") from None
+        return _rt_yaml().load(text)
+    except Exception as exc:  # noqa: BLE001 - any parser failure is the file's fault, not ours
+        raise located_error([yaml_problem(exc, where)]) from None
 
 
-def _yaml_problem(exc: Exception) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    if mark is not None:
-        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}. Fix the YAML syntax there."
-    return f"{problem}."
+def yaml_problem(exc: BaseException, where: str) -> Problem:
+    """A parser exception as a Problem with the line and column of the fault."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    line = mark.line + 1 if mark is not None else None
+    col = mark.column + 1 if mark is not None else None
+    return Problem(where, f"malformed YAML: {problem}. Fix the YAML syntax there.", line, col, kind="yaml")
+
+
+def _rt_yaml(text: str = "") -> Any:
+    """A round-trip YAML instance that writes back in the style of `text` (indents, long lines)."""
+    from ruamel.yaml import YAML
+
+    yaml = YAML(typ="rt")
+    yaml.preserve_quotes = True
+    yaml.width = 4096  # never re-wrap the user's long lines
+    mapping, offset = _guess_indent(text)
+    yaml.indent(mapping=mapping, sequence=offset + 2, offset=offset)
+    return yaml
+
+
+def _guess_indent(text: str) -> tuple[int, int]:
+    """(mapping indent, dash offset of block sequences) used in `text`; (2, 2) when it shows neither."""
+    mapping: int | None = None
+    offset: int | None = None
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    for prev, cur in zip(lines, lines[1:]):
+        head = prev.lstrip()
+        if not head.rstrip().endswith(":") or head.startswith("- "):
+            continue
+        p, c = len(prev) - len(head), len(cur) - len(cur.lstrip())
+        if cur.lstrip().startswith("- ") and offset is None and c >= p:
+            offset = c - p
+        elif mapping is None and c > p and not cur.lstrip().startswith("- "):
+            mapping = c - p
+        if mapping is not None and offset is not None:
+            break
+    return mapping or 2, 2 if offset is None else offset
+
+
+def dump_roundtrip(data: Any, like: str = "") -> str:
+    """Round-trip YAML text of `data`, indented like `like` (comments and key order come with the data)."""
+    out = io.StringIO()
+    _rt_yaml(like).dump(data, out)
+    return out.getvalue()
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file completely or not at all: a temp file in the same folder, then os.replace."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write ({exc.strerror or exc}). Check that {folder} exists and is writable.") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise InputError(f"{path}: cannot write ({exc.strerror or exc}). Nothing was changed.") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def update_yaml_file(path: Path | str, mutate: Callable[[Any], Any]) -> Any:
+    """Load `path` round-trip, let `mutate` change the data in place (or return new data), write it back atomically.
+
+    Comments, key order, quoting, flow style and indentation survive. If `mutate`
+    raises, or the result cannot be written, the file is left as it was. A missing
+    file starts as an empty mapping. Returns the data written.
+    """
+    from ruamel.yaml.comments import CommentedMap
+
+    path = Path(path)
+    text = read_text(path) if path.exists() else ""
+    data = load_roundtrip(text, str(path)) if text.strip() else None
+    if data is None:
+        data = CommentedMap()
+    result = mutate(data)
+    if result is not None:
+        data = result
+    write_text_atomic(path, dump_roundtrip(data, like=text))
+    return data
 
 
 def position(data: Any, loc: tuple[Any, ...]) -> tuple[int, int] | None:
@@ -82,18 +208,35 @@ def position(data: Any, loc: tuple[Any, ...]) -> tuple[int, int] | None:
     return best
 
 
+_TYPE_TAGS = {"bool", "int", "float", "str", "none", "list", "dict"}
+
+
+def _is_tag(part: Any) -> bool:
+    """Union members and validators that pydantic names in `loc` (not keys of the data)."""
+    if not isinstance(part, str):
+        return False
+    return part[:1].isupper() or part in _TYPE_TAGS or ("[" in part and part.endswith("]"))
+
+
 def format_validation_error(exc: Any, data: Any, where: str, model: type | None = None) -> str:
     """Turn a pydantic ValidationError into `file:line:col: message` lines with fixes."""
-    lines: dict[tuple[str, str], str] = {}
+    return "\n".join(str(p) for p in validation_problems(exc, data, where, model))
+
+
+def validation_problems(exc: Any, data: Any, where: str, model: type | None = None) -> list[Problem]:
+    """A pydantic ValidationError as Problems with positions (at most 12, one per location)."""
+    lines: dict[tuple[str, str], Problem] = {}
     for err in exc.errors():
         loc = tuple(err.get("loc", ()))
         # Union errors name the member class in loc; drop it to get the data path.
-        path_loc = tuple(p for p in loc if not (isinstance(p, str) and p[:1].isupper()))
+        path_loc = tuple(p for p in loc if not _is_tag(p))
         pos = position(data, path_loc)
         at = f"{where}:{pos[0]}:{pos[1]}" if pos else where
         dotted = ".".join(str(p) for p in path_loc) or "(top level)"
-        msg = err.get("msg", "invalid")
         kind = err.get("type", "")
+        msg = err.get("msg", "invalid")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
         if kind == "extra_forbidden":
             key = str(path_loc[-1]) if path_loc else "?"
             allowed = _allowed_keys(model, path_loc[:-1])
@@ -103,11 +246,17 @@ def format_validation_error(exc: Any, data: Any, where: str, model: type | None 
             msg = f"required key `{path_loc[-1] if path_loc else '?'}` is missing; add it."
         else:
             got = err.get("input")
-            if not isinstance(got, (dict, list)) and got is not None:
+            if kind == "value_error":
+                pass  # our validators quote the value themselves
+            elif isinstance(got, (dict, list)):
+                msg = f"{msg} (found a {'mapping' if isinstance(got, dict) else 'list'})"
+            elif got is not None:
                 msg = f"{msg} (found {got!r})"
         # Each member of a union reports its own error; the first per location is enough.
-        lines.setdefault((at, dotted), f"{at}: {dotted}: {msg}")
-    return "\n".join(list(lines.values())[:12])
+        lines.setdefault((at, dotted), Problem(where, f"{dotted}: {msg}", pos[0] if pos else None,
+                                               pos[1] if pos else None,
+                                               kind="unknown-key" if kind == "extra_forbidden" else "schema"))
+    return list(lines.values())[:12]
 
 
 def _allowed_keys(model: type | None, loc: tuple[Any, ...]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from kvpolicy.errors import InputError, PolicyFailure, did_you_mean
 from kvpolicy.render import echo, to_json
@@ -124,7 +125,28 @@ def schemas() -> dict[str, dict]:
 
     return {
         "policy.schema.json": make(Policy, "kvpolicy policy file"),
+        "policy-test.schema.json": make(_policy_test_model(), "kvpolicy policy test file (*_test.yaml)"),
         "recommendation.schema.json": make(Recommendation, "kvpolicy recommendation"),
+        **_serve_schemas(make),
+    }
+
+
+def _policy_test_model() -> type:
+    """The `*_test.yaml` model (kvpolicy test)."""
+    from kvpolicy.policy.testing import PolicyTestFile
+
+    return PolicyTestFile
+
+
+def _serve_schemas(make: Any) -> dict[str, dict]:
+    """Bodies of `kvpolicy serve` (kvpolicy.api is plain pydantic: no server stack is imported)."""
+    from kvpolicy import api
+
+    return {
+        "serve-recommend-request.schema.json": make(api.RecommendRequest, "kvpolicy serve: POST /v1/recommend body"),
+        "serve-check-request.schema.json": make(api.CheckRequest, "kvpolicy serve: POST /v1/check body"),
+        "serve-check-response.schema.json": make(api.CheckResponse, "kvpolicy serve: POST /v1/check response"),
+        "serve-error.schema.json": make(api.ErrorBody, "kvpolicy serve: error response (4xx/5xx)"),
     }
 
 

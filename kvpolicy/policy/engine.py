@@ -79,25 +79,51 @@ def threshold_refs(cond: Condition | None) -> list[str]:
     return threshold_refs(cond.not_)
 
 
-def check_references(policy: Policy) -> None:
-    """Raise PolicyError for unknown facts, thresholds or dtypes a policy names."""
-    problems = []
-    conds = [(f"rule {r.id}", r.when) for r in policy.rules] + [(f"pin {p.name}", p.when) for p in policy.pins]
-    for where, cond in conds:
+@dataclass
+class Reference:
+    """A name a policy uses that does not exist (a fact, threshold or KV dtype)."""
+
+    owner: str
+    """rule, pin or defaults."""
+    name: str
+    """Rule id or pin name ("" for defaults)."""
+    key: str
+    """The YAML key that holds the name: fact, threshold or kv_cache_dtype."""
+    value: str
+    """The unknown name."""
+    message: str
+    """What is wrong, with the closest known names."""
+
+
+def reference_problems(policy: Policy) -> list[Reference]:
+    """Unknown facts, thresholds and dtypes a policy names."""
+    problems: list[Reference] = []
+    conds = [("rule", r.id, r.when) for r in policy.rules] + [("pin", p.name, p.when) for p in policy.pins]
+    for owner, name, cond in conds:
         for path in fact_paths(cond):
             if path not in FACTS:
-                problems.append(f"{where}: unknown fact `{path}`.{did_you_mean(path, FACTS)}")
-        for name in threshold_refs(cond):
-            if name not in policy.thresholds:
-                problems.append(f"{where}: unknown threshold `{name}`.{did_you_mean(name, policy.thresholds)}")
-    patches = [(f"rule {r.id}", r.then) for r in policy.rules] + [(f"pin {p.name}", p.set) for p in policy.pins]
-    patches.append(("defaults", policy.defaults))
-    for where, patch in patches:
+                problems.append(Reference(owner, name, "fact", path, f"{owner} {name}: unknown fact `{path}`."
+                                          f"{did_you_mean(path, FACTS)} `kvpolicy facts` lists them."))
+        for ref in threshold_refs(cond):
+            if ref not in policy.thresholds:
+                problems.append(Reference(owner, name, "threshold", ref, f"{owner} {name}: unknown threshold `{ref}`."
+                                          f"{did_you_mean(ref, policy.thresholds)} Define it under `thresholds:`."))
+    patches = [("rule", r.id, r.then) for r in policy.rules] + [("pin", p.name, p.set) for p in policy.pins]
+    patches.append(("defaults", "", policy.defaults))
+    for owner, name, patch in patches:
         dtype = patch.kv_cache_dtype
         if dtype is not None and dtype not in FORMATS:
-            problems.append(f"{where}: unknown kv_cache_dtype `{dtype}`.{did_you_mean(dtype, FORMATS)}")
+            where = f"{owner} {name}".strip()
+            problems.append(Reference(owner, name, "kv_cache_dtype", dtype, f"{where}: unknown kv_cache_dtype "
+                                      f"`{dtype}`.{did_you_mean(dtype, FORMATS)} Allowed: {', '.join(FORMATS)}."))
+    return problems
+
+
+def check_references(policy: Policy) -> None:
+    """Raise PolicyError for unknown facts, thresholds or dtypes a policy names."""
+    problems = reference_problems(policy)
     if problems:
-        raise PolicyError("\n".join(problems) + "\nRun `kvpolicy facts` for the list of facts.")
+        raise PolicyError("\n".join(p.message for p in problems))
 
 
 Check = Callable[[dict[str, Any]], tuple[bool, str]]
@@ -115,6 +141,13 @@ def _ordered(fn: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
     return cmp
 
 
+def _as_list(right: Any) -> list[Any]:
+    # `{fact: path}` operands may resolve to a scalar or None at run time.
+    if right is None:
+        return []
+    return list(right) if isinstance(right, (list, tuple, set)) else [right]
+
+
 def _glob(left: Any, right: Any) -> bool:
     pats = right if isinstance(right, list) else [right]
     return left is not None and any(fnmatch.fnmatchcase(str(left), str(p)) for p in pats)
@@ -127,8 +160,8 @@ _OPS: dict[str, Callable[[Any, Any], bool]] = {
     "le": _ordered(operator.le),
     "gt": _ordered(operator.gt),
     "ge": _ordered(operator.ge),
-    "in": lambda left, right: left in (right or []),
-    "not_in": lambda left, right: left not in (right or []),
+    "in": lambda left, right: left in _as_list(right),
+    "not_in": lambda left, right: left not in _as_list(right),
     "glob": _glob,
     "exists": lambda left, right: (left is not None) == (right is not False),
 }
@@ -215,7 +248,8 @@ def _forbidden(policy: Policy, field_name: str, value: Any) -> str | None:
 
 def _decision_fact(field_name: str, value: Any) -> dict[str, Any]:
     if field_name == "kv_cache_dtype":
-        return {"decision.kv_cache_dtype": value, "decision.kv_format": FORMATS[value].kind}
+        fmt = FORMATS.get(value)
+        return {"decision.kv_cache_dtype": value, "decision.kv_format": fmt.kind if fmt else None}
     if field_name == "skip_layers":
         return {"decision.skip_layers": ",".join(value)}
     return {f"decision.{field_name}": value}
@@ -314,6 +348,12 @@ def decide(policy: Policy, facts: dict[str, Any]) -> Outcome:
                 if winner[1] != "default":
                     losers.append(winner[1])
                 winner = (pinned[field_name], f"pin:{pin.name}")
+        if winner[1] == "default":
+            pattern = _forbidden(policy, field_name, winner[0])
+            if pattern is not None:
+                raise PolicyError(f"no enabled rule chose an allowed {field_name} for these inputs, and the default "
+                                  f"{winner[0]!r} is forbidden by constraint `{pattern}`. Add a rule that covers "
+                                  f"them, change `defaults.{field_name}`, or relax the constraint.")
         chosen[field_name] = winner[0]
         fields[field_name] = {"value": winner[0], "decided_by": winner[1], "losers": losers}
         facts.update(_decision_fact(field_name, winner[0]))

@@ -1,7 +1,12 @@
 """Load a policy file: parse, resolve `extends`, merge, validate.
 
+Each file is validated on its own first (so errors point at its lines), then
+merged, then the merged policy is validated and its references (facts,
+thresholds, dtypes, rule ids in `disable`/`order`) are checked.
+
 Merge rules (child = the extending file):
-- thresholds: per name, the child's keys replace the parent's;
+- thresholds: per name, the child's keys replace the parent's, `values` merge
+  key by key, and a child `value` alone turns a keyed threshold into one number;
 - rules: the child's new rules come first, a child rule with an inherited id
   replaces that rule in place; `disable:` switches rules off; `order:` moves
   rules to the front in the order given;
@@ -13,14 +18,18 @@ Merge rules (child = the extending file):
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.errors import PolicyError
-from kvpolicy.policy.schema import Policy
-from kvpolicy.yamlio import format_validation_error, load_roundtrip, load_safe, read_text
+from kvpolicy.errors import KvPolicyError, PolicyError, did_you_mean
+from kvpolicy.policy.schema import Policy, PolicyLayer
+from kvpolicy.yamlio import Problem, located_error, load_roundtrip, load_safe, position, read_text, validation_problems
+
+Reader = Callable[[Path], str]
+"""Reads a policy file's text (the working tree by default; `kvpolicy diff` reads git revisions)."""
 
 BUILTIN = "builtin:"
 DEFAULT_POLICY = "builtin:default"
@@ -62,7 +71,7 @@ def _builtin_text(name: str) -> str:
     return f.read_text(encoding="utf-8")
 
 
-def _read(spec: str, base: Path | None) -> tuple[str, str, Path | None]:
+def _read(spec: str, base: Path | None, read: Reader) -> tuple[str, str, Path | None]:
     """(display name, text, folder for relative extends) of a policy reference."""
     if spec.startswith(BUILTIN):
         name = spec[len(BUILTIN):]
@@ -70,12 +79,24 @@ def _read(spec: str, base: Path | None) -> tuple[str, str, Path | None]:
     path = Path(spec)
     if base is not None and not path.is_absolute():
         path = base / path
-    return str(path), read_text(path), path.resolve().parent
+    if base is not None and read is read_text:
+        if not path.exists():
+            raise PolicyError(f"no such file {path}.")
+        if path.is_dir():
+            raise PolicyError(f"{path} is a folder, not a policy file.")
+    return str(path), read(path), path.parent
 
 
-def load_policy(spec: str | Path | None = None) -> LoadedPolicy:
-    """Load a policy by path or `builtin:NAME` (default: the built-in policy)."""
+def load_policy(spec: str | Path | None = None, *, read: Reader | None = None) -> LoadedPolicy:
+    """Load a policy by path or `builtin:NAME` (default: the built-in policy).
+
+    Raises PolicyError or InputError (exit code 2) with file:line:col for every
+    problem: malformed YAML, schema errors, unknown keys, missing or circular
+    `extends`, unknown facts, thresholds, dtypes or rule ids. `read` replaces
+    the file reader (e.g. to read a git revision).
+    """
     spec = str(spec) if spec is not None else DEFAULT_POLICY
+    reader = read or read_text
     chain: list[str] = []
     texts: list[str] = []
     raws: dict[str, Any] = {}
@@ -84,11 +105,19 @@ def load_policy(spec: str | Path | None = None) -> LoadedPolicy:
     base: Path | None = None
     current: str | None = spec
     while current is not None:
-        name, text, folder = _read(current, base)
+        referrer = layers[-1] if layers else None
+        try:
+            name, text, folder = _read(current, base, reader)
+        except KvPolicyError as exc:
+            if referrer is None:
+                raise
+            raise _at_extends(referrer, f"`extends: {current}`: {exc} Fix the path (relative to the folder of "
+                                        f"{referrer[0]}) or use `builtin:default`.", type(exc)) from None
         key = name if name.startswith(BUILTIN) else str(Path(name).resolve())
         if key in seen:
             cycle = " -> ".join(chain + [name])
-            raise PolicyError(f"circular `extends`: {cycle}. Remove the `extends:` that closes the loop.")
+            assert referrer is not None
+            raise _at_extends(referrer, f"circular `extends`: {cycle}. Remove the `extends:` that closes the loop.")
         seen.add(key)
         chain.append(name)
         texts.append(text)
@@ -96,28 +125,85 @@ def load_policy(spec: str | Path | None = None) -> LoadedPolicy:
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise PolicyError(f"{name}: a policy file must be a YAML mapping (found {type(data).__name__}).")
+            raise located_error([Problem(name, f"a policy file must be a YAML mapping (found {type(data).__name__}); "
+                                         "start from `kvpolicy init`.", 1, 1)])
         raws[name] = data
         layers.append((name, data))
         ext = data.get("extends")
-        if ext is not None and not isinstance(ext, str):
-            raise PolicyError(f"{name}: `extends` must be a string such as `builtin:default` or `../base.yaml`.")
+        if ext is not None and (not isinstance(ext, str) or not ext.strip()):
+            raise _at_extends((name, data), "`extends` must name a policy, such as `builtin:default` or "
+                                            f"`../base.yaml` (found {ext!r}).")
+        # Each file on its own first, so that errors point at the right file and line.
+        _validate(_plain(data), data, name, PolicyLayer if ext is not None else Policy)
         base = folder
         current = ext
 
     merged: dict[str, Any] = {}
-    for name, data in reversed(layers):
-        merged = _merge(merged, _plain(data)) if merged else _plain(data)
+    for index in range(len(layers) - 1, -1, -1):
+        name, data = layers[index]
+        if not merged:
+            merged = _plain(data)
+            _check_rule_ids(merged, [], name, data)
+            continue
+        _check_rule_ids(_plain(data), merged.get("rules") or [], name, data)
+        merged = _merge(merged, _plain(data))
     merged.pop("extends", None)
     if len(layers) > 1:
         merged["extends"] = layers[0][1].get("extends")
 
-    # Validate each file alone first so that errors point at the right file and line.
-    for name, data in layers:
-        _validate(_plain(data), data, name, partial=True)
-    policy = _validate(merged, layers[0][1], chain[0], partial=False)
+    policy = _validate(merged, layers[0][1], chain[0], Policy)
     digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:12]
-    return LoadedPolicy(policy=policy, chain=chain, content_hash=digest, raw=raws)
+    loaded = LoadedPolicy(policy=policy, chain=chain, content_hash=digest, raw=raws)
+    _check_references(loaded)
+    return loaded
+
+
+def _at_extends(layer: tuple[str, Any], message: str, cls: type[KvPolicyError] = PolicyError) -> KvPolicyError:
+    name, data = layer
+    pos = position(data, ("extends",))
+    return located_error([Problem(name, message, pos[0] if pos else None, pos[1] if pos else None, kind="extends")],
+                         cls)
+
+
+def _check_rule_ids(child: dict[str, Any], inherited: list[Any], name: str, raw: Any) -> None:
+    """`disable:` and `order:` must name rules that exist (a typo would silently keep a rule on)."""
+    known = [r.get("id") for r in list(inherited) + list(child.get("rules") or []) if isinstance(r, dict)]
+    problems = []
+    for section in ("disable", "order"):
+        for i, rid in enumerate(child.get(section) or []):
+            if rid not in known:
+                pos = position(raw, (section, i))
+                problems.append(Problem(name, f"{section}: unknown rule id `{rid}`.{did_you_mean(str(rid), known)} "
+                                        "`kvpolicy rule` lists the rules.", pos[0] if pos else None,
+                                        pos[1] if pos else None, kind="reference"))
+    if problems:
+        raise located_error(problems)
+
+
+def _check_references(loaded: LoadedPolicy) -> None:
+    """Unknown facts, thresholds and dtypes, each with the line that names it."""
+    from kvpolicy.policy.engine import reference_problems
+    from kvpolicy.policy.sources import Sources
+
+    refs = reference_problems(loaded.policy)
+    if not refs:
+        return
+    src = Sources.of(loaded)
+    problems = []
+    for ref in refs:
+        if ref.owner == "rule":
+            found = src.item("rules", "id", ref.name)
+        elif ref.owner == "pin":
+            found = src.item("pins", "name", ref.name)
+        else:
+            found = next(((n, ("defaults",)) for n in loaded.chain
+                          if isinstance(loaded.raw.get(n), dict) and "defaults" in loaded.raw[n]), None)
+        if found is None:
+            problems.append(Problem(loaded.chain[0], ref.message, kind="reference"))
+            continue
+        where = src.find(found[0], found[1], ref.key, ref.value)
+        problems.append(src.problem(where, ref.message))
+    raise located_error(problems)
 
 
 def _plain(data: Any) -> Any:
@@ -129,17 +215,13 @@ def _plain(data: Any) -> Any:
     return data
 
 
-def _validate(plain: dict[str, Any], raw: Any, where: str, partial: bool) -> Policy:
+def _validate(plain: dict[str, Any], raw: Any, where: str, model: type[Policy]) -> Policy:
     from pydantic import ValidationError
 
-    if partial:
-        # A file may override only part of an inherited threshold, so thresholds
-        # are checked once merged; everything else must stand on its own.
-        plain = {k: v for k, v in plain.items() if k != "thresholds"}
     try:
-        return Policy.model_validate(plain)
+        return model.model_validate(plain)
     except ValidationError as exc:
-        raise PolicyError(format_validation_error(exc, raw, where, Policy)) from None
+        raise located_error(validation_problems(exc, raw, where, model)) from None
 
 
 def _merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
@@ -150,37 +232,46 @@ def _merge(parent: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
 
     thresholds = {k: dict(v) for k, v in (parent.get("thresholds") or {}).items()}
     for k, v in (child.get("thresholds") or {}).items():
-        thresholds[k] = {**thresholds.get(k, {}), **(v or {})}
+        patch = {key: val for key, val in (v or {}).items() if val is not None}
+        old = thresholds.get(k, {})
+        if "value" in patch and "by" not in patch and "values" not in patch:
+            # One number replaces a keyed threshold outright.
+            old = {key: val for key, val in old.items() if key not in ("by", "values", "default")}
+        new = dict(old)
+        for key, val in patch.items():
+            if key == "values" and isinstance(old.get("values"), dict):
+                new["values"] = {**old["values"], **val}
+            else:
+                new[key] = val
+        thresholds[k] = new
     out["thresholds"] = thresholds
 
     out["defaults"] = {**(parent.get("defaults") or {}), **(child.get("defaults") or {})}
 
     inherited = list(parent.get("rules") or [])
-    index = {r.get("id"): i for i, r in enumerate(inherited) if isinstance(r, dict)}
+    index = {r.get("id"): i for i, r in enumerate(inherited)}
     fresh = []
     for r in child.get("rules") or []:
-        rid = r.get("id") if isinstance(r, dict) else None
-        if rid in index:
-            inherited[index[rid]] = r
+        if r.get("id") in index:
+            inherited[index[r.get("id")]] = r
         else:
             fresh.append(r)
-    rules = fresh + inherited
+    rules = [dict(r) for r in fresh + inherited]
     disabled = set(child.get("disable") or [])
     for r in rules:
-        if isinstance(r, dict) and r.get("id") in disabled:
+        if r.get("id") in disabled:
             r["enabled"] = False
-    front = [rid for rid in (child.get("order") or [])]
-    by_id = {r.get("id"): r for r in rules if isinstance(r, dict)}
+    front = list(child.get("order") or [])
+    by_id = {r.get("id"): r for r in rules}
     moved = [by_id[rid] for rid in front if rid in by_id]
-    rules = moved + [r for r in rules if not (isinstance(r, dict) and r.get("id") in front)]
+    rules = moved + [r for r in rules if r.get("id") not in front]
     out["rules"] = rules
     out["disable"] = sorted(set(parent.get("disable") or []) | disabled)
     out["order"] = front
 
-    evidence = {e.get("id"): e for e in (parent.get("evidence") or []) if isinstance(e, dict)}
+    evidence = {e.get("id"): e for e in (parent.get("evidence") or [])}
     for e in child.get("evidence") or []:
-        if isinstance(e, dict):
-            evidence[e.get("id")] = e
+        evidence[e.get("id")] = e
     out["evidence"] = list(evidence.values())
 
     out["pins"] = list(parent.get("pins") or []) + list(child.get("pins") or [])

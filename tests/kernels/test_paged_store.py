@@ -76,7 +76,7 @@ def test_store_fp8_rounding_and_saturation(device: str) -> None:
         2**-6, 2**-6 * 0.999, 2**-7 * 1.5, 2**-9, 2**-10, 2**-10 * 1.01, 3 * 2**-11, 1e-30, 0.0, -0.0,
     ]
     vals = torch.tensor(specials + [-x for x in specials], dtype=torch.float32)
-    vals = torch.cat([vals, torch.randn(256 - vals.numel()) * 100])
+    vals = torch.cat([vals, torch.randn(NUM_BLOCKS * BLOCK_SIZE - vals.numel()) * 100])  # fills the cache
     key = vals.reshape(-1, 1, 1).expand(-1, NUM_KV_HEADS, 64).contiguous().to(device)
     slots = torch.arange(key.shape[0], device=device)
     kc = _store_and_compare(key, key.clone(), "fp8", slots)

@@ -1,0 +1,593 @@
+#!/usr/bin/env python3
+"""Decode attention on one GPU in one run: our KV formats against torch SDPA BF16 (cuDNN, flash).
+
+    python bench/bench_decode.py [--quick] [--formats bf16,fp8,sdpa_cudnn] [--contexts 1024,131072]
+                                 [--batch 1,8] [--geometries llama-3.1-8b] [--tune] [--skip-accuracy] [--out PATH]
+
+Each timing is the median replay of a CUDA graph of many calls, rotating over
+enough copies of the cache that it cannot sit in L2. Bytes are the KV bytes a
+call must read (`kvpolicy.formats.slot_bytes`, plus any scales). Per geometry
+and batch it fits ITL = slope x context + intercept over the contexts measured.
+Then (unless --skip-accuracy) the long-context accuracy of positive-weighted
+P.V and a synthetic needle test. The table is printed last; JSON goes to --out
+(default $OUT/bench_decode.json when $OUT is set).
+
+FORMATS is the table of KV formats measured: one dict per row with
+`kv_cache_dtype` (vLLM name), `allocate(num_blocks, block_size, num_kv_heads,
+head_dim, device) -> cache`, `store(cache, key, value, slot_mapping)` and
+`decode(cache, query, block_tables, seq_lens, sinks, **kwargs) -> out`;
+optional `scale_bytes(num_kv_heads) -> int`. Other kernels add rows here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kvpolicy.formats import get_format
+from kvpolicy.kernels.decode_attention import DecodeConfig, decode_attention, default_config
+from kvpolicy.kernels.paged_store import allocate_cache, compute_kv_scales, store_kv
+from kvpolicy.kernels.reference import ref_decode_attention
+
+BLOCK_SIZE = 16
+"""vLLM's default KV block size."""
+ROTATE_BYTES = 512 * 2**20
+"""Bytes of BF16 cache each timing rotates over (the H200's L2 is 60 MB)."""
+CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+BATCHES = [1, 8]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One attention layer's shape."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sinks: bool
+
+
+GEOMETRIES = {
+    "llama-3.1-8b": Geometry(32, 8, 128, sinks=False),
+    "gpt-oss-20b": Geometry(64, 8, 64, sinks=True),
+}
+
+TUNED: dict[str, DecodeConfig] = {}
+"""Configs chosen by --tune for this run, by row name (empty: the kernel's defaults)."""
+
+
+def _paged_row(name: str, dtype_name: str, per_head_scales: bool, **decode_kwargs: Any) -> dict[str, Any]:
+    """A row for our paged kernels: store_kv + decode_attention with fixed options."""
+
+    def allocate(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device: torch.device) -> dict:
+        k, v = allocate_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype_name, device)
+        return {"key_cache": k, "value_cache": v, "k_scale": None, "v_scale": None}
+
+    def store(cache: dict, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if per_head_scales and cache["k_scale"] is None:
+            cache["k_scale"], cache["v_scale"] = compute_kv_scales(key, value, per_head=True)
+        store_kv(key, value, cache["key_cache"], cache["value_cache"], slot_mapping, cache["k_scale"], cache["v_scale"])
+
+    def decode(cache: dict, query, block_tables, seq_lens, sinks, **kwargs) -> torch.Tensor:
+        opts = {**decode_kwargs, **kwargs}
+        opts.setdefault("config", TUNED.get(name))
+        return decode_attention(
+            query, cache["key_cache"], cache["value_cache"], block_tables, seq_lens,
+            k_scale=cache["k_scale"], v_scale=cache["v_scale"], sinks=sinks, **opts,
+        )
+
+    row = {"kv_cache_dtype": dtype_name, "allocate": allocate, "store": store, "decode": decode}
+    if per_head_scales:
+        row["scale_bytes"] = lambda num_kv_heads: 2 * 4 * num_kv_heads
+    return row
+
+
+FORMATS: dict[str, dict[str, Any]] = {
+    "bf16": _paged_row("bf16", "bfloat16", per_head_scales=False),
+    "fp8": _paged_row("fp8", "fp8", per_head_scales=True),
+    "fp8_q8": _paged_row("fp8_q8", "fp8", per_head_scales=True, fp8_query=True),
+}
+SDPA_COLUMNS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_calls(calls: list[Callable[[], Any]], min_graph_ms: float = 3.0, replays: int = 15) -> float:
+    """Median microseconds per call: CUDA-graph replays of all `calls` in turn (eager timing if capture fails)."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for c in calls:
+        c()
+    end.record()
+    end.synchronize()
+    pass_ms = start.elapsed_time(end)
+    reps = max(1, min(math.ceil(min_graph_ms / max(pass_ms, 1e-3)), max(1, 2000 // len(calls))))
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                for c in calls:
+                    c()
+        graph.replay()
+        torch.cuda.synchronize()
+        run = graph.replay
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot be captured is timed eagerly
+        print(f"  (graph capture failed: {type(exc).__name__}: {str(exc)[:120]}; timing eagerly)")
+        torch.cuda.synchronize()
+
+        def run() -> None:
+            for _ in range(reps):
+                for c in calls:
+                    c()
+
+    times = []
+    for _ in range(replays):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) * 1000.0 / (reps * len(calls))
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def kv_bytes(row: dict, geom: Geometry, batch: int, context: int) -> int:
+    """KV bytes one call must read: every attended token's stored bytes, plus scales."""
+    slot = get_format(row["kv_cache_dtype"]).slot_bytes(geom.head_dim)
+    extra = row["scale_bytes"](geom.num_kv_heads) if "scale_bytes" in row else 0
+    return batch * context * geom.num_kv_heads * slot + extra
+
+
+def build_case(geom: Geometry, batch: int, context: int, rows: dict[str, dict], sdpa: bool, copies: int, device) -> dict:
+    """Caches for each row (and contiguous K/V for SDPA) holding `copies` independent random KV sets."""
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = copies * batch * blocks_per_seq
+    perm = torch.randperm(num_blocks, device=device, dtype=torch.int64)
+    tables = perm.view(copies, batch, blocks_per_seq).to(torch.int32)
+    caches = {name: row["allocate"](num_blocks, BLOCK_SIZE, geom.num_kv_heads, geom.head_dim, device) for name, row in rows.items()}
+    sd_k = sd_v = None
+    if sdpa:
+        shape = (copies, batch, geom.num_kv_heads, context, geom.head_dim)
+        sd_k = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        sd_v = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    pos = torch.arange(context, device=device)
+    for c in range(copies):
+        key = torch.randn(batch * context, geom.num_kv_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
+        value = torch.randn(batch * context, geom.num_kv_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
+        slots = (tables[c].long()[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1)
+        for name, row in rows.items():
+            row["store"](caches[name], key, value, slots)
+        if sdpa:
+            sd_k[c] = key.view(batch, context, geom.num_kv_heads, geom.head_dim).transpose(1, 2)
+            sd_v[c] = value.view(batch, context, geom.num_kv_heads, geom.head_dim).transpose(1, 2)
+        del key, value
+    query = torch.randn(batch, geom.num_q_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
+    sinks = torch.randn(geom.num_q_heads, device=device) if geom.sinks else None
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return dict(caches=caches, tables=tables, sd_k=sd_k, sd_v=sd_v, query=query, sinks=sinks, seq_lens=seq_lens)
+
+
+def sdpa_call(case: dict, geom: Geometry, copy: int, backend) -> Callable[[], torch.Tensor]:
+    """GQA decode as SDPA: the group's query heads become the query length (non-causal), so K/V stay unexpanded."""
+    batch = case["query"].shape[0]
+    group = geom.num_q_heads // geom.num_kv_heads
+    q = case["query"].view(batch, geom.num_kv_heads, group, geom.head_dim)
+    k, v = case["sd_k"][copy], case["sd_v"][copy]
+
+    def call() -> torch.Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    return call
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# --------------------------------------------------------------------------- tuning
+
+
+TUNE_CANDIDATES = [
+    (False, 64, 4, 2), (False, 64, 4, 3), (False, 128, 4, 2), (False, 128, 8, 3), (False, 32, 4, 4),
+    (True, 64, 4, 2), (True, 64, 4, 3), (True, 64, 4, 4), (True, 128, 8, 3), (True, 128, 4, 2),
+]
+
+
+def tune(device, log: dict) -> None:
+    """Pick tile config, then split target, for bf16 and fp8 on the Llama layer at 32k (batch 8 and 1)."""
+    geom = GEOMETRIES["llama-3.1-8b"]
+    context = 32768
+    results = []
+    for fmt in ("bf16", "fp8"):
+        row = FORMATS[fmt]
+        cases = {b: build_case(geom, b, context, {fmt: row}, sdpa=True, copies=1, device=device) for b in (8, 1)}
+        refs = {b: sdpa_call(c, geom, 0, SDPBackend.FLASH_ATTENTION)().reshape(b, geom.num_q_heads, geom.head_dim) for b, c in cases.items()}
+        best = None
+        for swap, bn, nw, ns in TUNE_CANDIDATES:
+            cfg = DecodeConfig(block_n=bn, num_warps=nw, num_stages=ns, swap_ab=swap, programs_per_sm=2.0)
+            entry = dict(format=fmt, swap_ab=swap, block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=2.0)
+            try:
+                us = {}
+                for b, case in cases.items():
+                    call = lambda case=case: row["decode"](case["caches"][fmt], case["query"], case["tables"][0], case["seq_lens"], None, config=cfg)
+                    err = rel_err(call(), refs[b])
+                    if not err < 0.05:
+                        raise RuntimeError(f"wrong result: rel err {err:.3g} vs SDPA")
+                    us[b] = time_calls([call])
+                entry.update(us_b8=us[8], us_b1=us[1], score=math.sqrt(us[8] * us[1]))
+                if best is None or entry["score"] < best[1]["score"]:
+                    best = (cfg, entry)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is reported, not fatal
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            results.append(entry)
+            print(f"  tune {fmt} {entry}")
+        cfg = best[0]
+        for pps in (1.0, 4.0, 8.0):
+            trial = replace(cfg, programs_per_sm=pps)
+            us = {}
+            for b, case in cases.items():
+                call = lambda case=case: row["decode"](case["caches"][fmt], case["query"], case["tables"][0], case["seq_lens"], None, config=trial)
+                us[b] = time_calls([call])
+            entry = dict(format=fmt, **asdict(trial), us_b8=us[8], us_b1=us[1], score=math.sqrt(us[8] * us[1]))
+            results.append(entry)
+            print(f"  tune {fmt} {entry}")
+            if entry["score"] < best[1]["score"]:
+                best = (trial, entry)
+        TUNED[fmt] = best[0]
+        if fmt == "fp8":
+            TUNED["fp8_q8"] = best[0]
+        print(f"  chosen for {fmt}: {best[0]}")
+        del cases, refs
+        torch.cuda.empty_cache()
+    log["tune"] = results
+    log["tuned"] = {k: asdict(v) for k, v in TUNED.items()}
+
+
+# --------------------------------------------------------------------------- speed table
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(slope us/token, intercept us) of a least-squares line through (context, us)."""
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(slope), float(intercept)
+
+
+def break_even(a: tuple[float, float], b: tuple[float, float]) -> float | None:
+    """Context where line a (cheaper slope) meets line b; 0 when a is never slower, None when it never catches up."""
+    (sa, ia), (sb, ib) = a, b
+    if ia <= ib and sa <= sb:
+        return 0.0
+    if sa >= sb:
+        return None
+    return (ia - ib) / (sb - sa)
+
+
+def speed_table(args, device, log: dict, save: Callable[[], None]) -> list[dict]:
+    rows = {n: FORMATS[n] for n in args.formats if n in FORMATS}
+    sdpa_cols = [n for n in args.formats if n in SDPA_COLUMNS]
+    records = []
+    for gname in args.geometries:
+        geom = GEOMETRIES[gname]
+        for batch in args.batch:
+            for context in args.contexts:
+                bf16_bytes = batch * context * geom.num_kv_heads * geom.head_dim * 4
+                copies = max(1, min(128, math.ceil(ROTATE_BYTES / bf16_bytes)))
+                t0 = time.time()
+                case = build_case(geom, batch, context, rows, bool(sdpa_cols), copies, device)
+                checks = {}
+                if sdpa_cols:
+                    # Without sinks, against SDPA: catches a config that is fast because it is wrong.
+                    try:
+                        ref = sdpa_call(case, geom, 0, SDPBackend.FLASH_ATTENTION)().reshape(batch, geom.num_q_heads, geom.head_dim)
+                        for name, row in rows.items():
+                            out = row["decode"](case["caches"][name], case["query"], case["tables"][0], case["seq_lens"], None)
+                            checks[name] = rel_err(out, ref)
+                    except Exception as exc:  # noqa: BLE001 - reported; the timings still run
+                        print(f"  check failed: {type(exc).__name__}: {str(exc)[:300]}")
+                for name, row in rows.items():
+                    calls = [
+                        (lambda c=c, name=name, row=row: row["decode"](case["caches"][name], case["query"], case["tables"][c], case["seq_lens"], case["sinks"]))
+                        for c in range(copies)
+                    ]
+                    try:
+                        us = time_calls(calls)
+                    except Exception as exc:  # noqa: BLE001 - one failing row must not lose the run
+                        print(f"  {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                        continue
+                    nbytes = kv_bytes(row, geom, batch, context)
+                    records.append(dict(geometry=gname, batch=batch, context=context, column=name, us=us,
+                                        kv_bytes=nbytes, tbps=nbytes / us / 1e6, check_rel_err_vs_sdpa=checks.get(name)))
+                for col in sdpa_cols:
+                    try:
+                        calls = [sdpa_call(case, geom, c, SDPA_COLUMNS[col]) for c in range(copies)]
+                        us = time_calls(calls)
+                    except Exception as exc:  # noqa: BLE001 - a backend missing on this build is reported, not fatal
+                        print(f"  {col} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                        continue
+                    nbytes = batch * context * geom.num_kv_heads * geom.head_dim * 4
+                    records.append(dict(geometry=gname, batch=batch, context=context, column=col, us=us, kv_bytes=nbytes, tbps=nbytes / us / 1e6))
+                del case
+                torch.cuda.empty_cache()
+                line = " ".join(f"{r['column']}={r['us']:.1f}us" for r in records if (r["geometry"], r["batch"], r["context"]) == (gname, batch, context))
+                print(f"  {gname} b={batch} ctx={context} copies={copies} ({time.time() - t0:.1f}s): {line}  checks={ {k: f'{v:.2e}' for k, v in checks.items()} }", flush=True)
+                log["speed"] = records
+                save()
+    return records
+
+
+def summarise(records: list[dict], log: dict) -> list[dict]:
+    """Per (geometry, batch, column): fitted slope/intercept, ratios vs SDPA, break-evens, and the targets."""
+    summary = []
+    keys = sorted({(r["geometry"], r["batch"]) for r in records})
+    for gname, batch in keys:
+        sel = [r for r in records if r["geometry"] == gname and r["batch"] == batch]
+        cols = list(dict.fromkeys(r["column"] for r in sel))
+        fits = {c: fit([(r["context"], r["us"]) for r in sel if r["column"] == c]) for c in cols if sum(r["column"] == c for r in sel) >= 2}
+        for c, (slope, intercept) in fits.items():
+            s = dict(geometry=gname, batch=batch, column=c, slope_ns_per_token=slope * 1e3, intercept_us=intercept)
+            for base in ("sdpa_cudnn", "sdpa_flash"):
+                if base in fits:
+                    s[f"slope_ratio_vs_{base}"] = slope / fits[base][0]
+            if c != "bf16" and not c.startswith("sdpa") and "bf16" in fits:
+                s["break_even_vs_bf16"] = break_even(fits[c], fits["bf16"])
+            if "sdpa_cudnn" in fits and c != "sdpa_cudnn":
+                s["break_even_vs_sdpa_cudnn"] = break_even(fits[c], fits["sdpa_cudnn"])
+            summary.append(s)
+    log["summary"] = summary
+    return summary
+
+
+def targets(records: list[dict], summary: list[dict], log: dict) -> list[str]:
+    """The issue's targets, per geometry and batch, with the measured numbers."""
+    lines = []
+    by = {(r["geometry"], r["batch"], r["context"], r["column"]): r for r in records}
+    for s in summary:
+        g, b, c = s["geometry"], s["batch"], s["column"]
+        if c.startswith("fp8") and "slope_ratio_vs_sdpa_cudnn" in s:
+            ratio = s["slope_ratio_vs_sdpa_cudnn"]
+            lines.append(f"{g} b={b} {c}: slope {ratio:.3f}x cuDNN BF16 (target <= 0.55) {'MET' if ratio <= 0.55 else 'MISSED'}")
+        if c.startswith("fp8") and (g, b, 131072, c) in by:
+            tb = by[(g, b, 131072, c)]["tbps"]
+            lines.append(f"{g} b={b} {c}: {tb:.2f} TB/s of KV at 128k (target >= 3.8) {'MET' if tb >= 3.8 else 'MISSED'}")
+        if c.startswith("fp8") and "break_even_vs_bf16" in s:
+            be = s["break_even_vs_bf16"]
+            ok = be is not None and be < 2048
+            lines.append(f"{g} b={b} {c}: break-even vs our BF16 {'never' if be is None else f'{be:.0f}'} tokens (target < 2048) {'MET' if ok else 'MISSED'}")
+        if c == "bf16":
+            worst = None
+            for ctx in sorted({r["context"] for r in records if r["context"] >= 16384}):
+                if (g, b, ctx, "bf16") in by and (g, b, ctx, "sdpa_cudnn") in by:
+                    ratio = by[(g, b, ctx, "bf16")]["us"] / by[(g, b, ctx, "sdpa_cudnn")]["us"]
+                    worst = max(worst or 0, ratio)
+            if worst is not None:
+                lines.append(f"{g} b={b} bf16: worst time vs cuDNN at >=16k {worst:.3f}x (target <= 1.10) {'MET' if worst <= 1.10 else 'MISSED'}")
+    log["targets"] = lines
+    return lines
+
+
+# --------------------------------------------------------------------------- accuracy
+
+
+def accuracy(contexts: list[int], device, log: dict) -> list[dict]:
+    """Relative error vs float64 of positive-weighted P.V (softmax weights, V in [0, 2)), Llama layer, batch 1."""
+    geom = GEOMETRIES["llama-3.1-8b"]
+    variants = {
+        "bf16": ("bf16", {}),
+        "fp8 2L-on 1-split": ("fp8", dict(two_level=True, num_splits=1)),
+        "fp8 2L-off 1-split": ("fp8", dict(two_level=False, num_splits=1)),
+        "fp8 2L-on": ("fp8", dict(two_level=True)),
+        "fp8 2L-off": ("fp8", dict(two_level=False)),
+        "fp8_q8 2L-on": ("fp8_q8", dict(two_level=True)),
+    }
+    out = []
+    for context in contexts:
+        pos = torch.arange(context, device=device)
+        table = torch.randperm(-(-context // BLOCK_SIZE), device=device).to(torch.int32)[None]
+        slots = (table[0].long()[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        key = torch.randn(context, geom.num_kv_heads, geom.head_dim, device=device).bfloat16()
+        value = (torch.rand(context, geom.num_kv_heads, geom.head_dim, device=device) * 2).bfloat16()
+        query = torch.randn(1, geom.num_q_heads, geom.head_dim, device=device).bfloat16()
+        seq_lens = torch.tensor([context], dtype=torch.int32, device=device)
+        caches = {}
+        for fmt in ("bf16", "fp8", "fp8_q8"):
+            caches[fmt] = FORMATS[fmt]["allocate"](table.shape[1], BLOCK_SIZE, geom.num_kv_heads, geom.head_dim, device)
+            FORMATS[fmt]["store"](caches[fmt], key, value, slots)
+        refs = {}
+        for name, (fmt, kw) in variants.items():
+            c = caches[fmt]
+            if fmt not in refs:
+                refs[fmt] = ref_decode_attention(query, c["key_cache"], c["value_cache"], table, seq_lens, k_scale=c["k_scale"], v_scale=c["v_scale"])
+            got = FORMATS[fmt]["decode"](c, query, table, seq_lens, None, out=torch.empty(query.shape, device=device), **kw)
+            out.append(dict(context=context, variant=name, rel_err=rel_err(got, refs[fmt])))
+        print("  accuracy", context, " ".join(f"{r['variant']}={r['rel_err']:.2e}" for r in out if r["context"] == context), flush=True)
+        del caches, refs, key, value
+        torch.cuda.empty_cache()
+    log["accuracy"] = out
+    return out
+
+
+def needle(contexts: list[int], device, log: dict, margin: float = 13.5, batch: int = 4) -> list[dict]:
+    """Synthetic needle: one planted key per (sequence, KV head) with logit `margin` over N(0,1) distractors.
+
+    V is 1 + 0.3*noise for distractors and 1 + 0.5*code for the needle (code in +-1);
+    a query head retrieves when sign(out - 1) matches >= 90% of the code.
+    """
+    geom = GEOMETRIES["llama-3.1-8b"]
+    group = geom.num_q_heads // geom.num_kv_heads
+    variants = {
+        "bf16": ("bf16", {}),
+        "fp8 2L-on": ("fp8", dict(two_level=True)),
+        "fp8 2L-on 1-split": ("fp8", dict(two_level=True, num_splits=1)),
+        "fp8 2L-off 1-split": ("fp8", dict(two_level=False, num_splits=1)),
+        "fp8_q8 2L-on": ("fp8_q8", dict(two_level=True)),
+    }
+    res = []
+    for context in contexts:
+        blocks = -(-context // BLOCK_SIZE)
+        tables = torch.randperm(batch * blocks, device=device).view(batch, blocks).to(torch.int32)
+        pos = torch.arange(context, device=device)
+        slots = (tables.long()[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1)
+        d = geom.head_dim
+        direction = F.normalize(torch.randn(batch, geom.num_kv_heads, d, device=device), dim=-1)
+        key = torch.randn(batch, context, geom.num_kv_heads, d, device=device)
+        value = 1 + 0.3 * torch.randn(batch, context, geom.num_kv_heads, d, device=device)
+        code = torch.randint(0, 2, (batch, geom.num_kv_heads, d), device=device).float() * 2 - 1
+        where = torch.randint(0, context, (batch, geom.num_kv_heads), device=device)
+        bi, hi = torch.meshgrid(torch.arange(batch, device=device), torch.arange(geom.num_kv_heads, device=device), indexing="ij")
+        # sm_scale = d**-0.5 and |q| = sqrt(d): distractor logits ~ N(0, 1), the needle's = margin.
+        key[bi, where, hi] = direction * margin
+        value[bi, where, hi] = 1 + 0.5 * code
+        query = (direction * math.sqrt(d)).repeat_interleave(group, dim=1).bfloat16()
+        key = key.reshape(-1, geom.num_kv_heads, d).bfloat16()
+        value = value.reshape(-1, geom.num_kv_heads, d).bfloat16()
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        caches = {}
+        for fmt in ("bf16", "fp8", "fp8_q8"):
+            caches[fmt] = FORMATS[fmt]["allocate"](batch * blocks, BLOCK_SIZE, geom.num_kv_heads, d, device)
+            FORMATS[fmt]["store"](caches[fmt], key, value, slots)
+        want = code.repeat_interleave(group, dim=1)
+        for name, (fmt, kw) in variants.items():
+            got = FORMATS[fmt]["decode"](caches[fmt], query, tables, seq_lens, None, out=torch.empty(query.shape, device=device), **kw)
+            bits = ((got - 1).sign() == want).float().mean(dim=-1)
+            res.append(dict(context=context, variant=name, retrieved=(bits >= 0.9).float().mean().item(), bit_accuracy=bits.mean().item()))
+        print("  needle", context, " ".join(f"{r['variant']}={r['retrieved']:.2f}" for r in res if r["context"] == context), flush=True)
+        del caches, key, value
+        torch.cuda.empty_cache()
+    log["needle"] = res
+    return res
+
+
+# --------------------------------------------------------------------------- main
+
+
+def print_table(records: list[dict], summary: list[dict], target_lines: list[str], acc: list[dict], ndl: list[dict]) -> None:
+    cols = list(dict.fromkeys(r["column"] for r in records))
+    keys = list(dict.fromkeys((r["geometry"], r["batch"]) for r in records))
+    by = {(r["geometry"], r["batch"], r["context"], r["column"]): r for r in records}
+    for g, b in keys:
+        print(f"\n## {g}, batch {b}: microseconds (TB/s of KV read)")
+        print("| context | " + " | ".join(cols) + " |")
+        print("|---" * (len(cols) + 1) + "|")
+        for ctx in sorted({r["context"] for r in records if (r["geometry"], r["batch"]) == (g, b)}):
+            cells = []
+            for c in cols:
+                r = by.get((g, b, ctx, c))
+                cells.append(f"{r['us']:.1f} ({r['tbps']:.2f})" if r else "-")
+            print(f"| {ctx} | " + " | ".join(cells) + " |")
+        print("| fit | column | slope ns/token | intercept us | slope / cuDNN | slope / flash | break-even vs our bf16 | vs cuDNN |")
+        for s in summary:
+            if (s["geometry"], s["batch"]) != (g, b):
+                continue
+            def f(x, fmt="{:.3f}"):
+                return "-" if x is None else fmt.format(x)
+            print(f"| | {s['column']} | {s['slope_ns_per_token']:.3f} | {s['intercept_us']:.1f} | {f(s.get('slope_ratio_vs_sdpa_cudnn'))} | "
+                  f"{f(s.get('slope_ratio_vs_sdpa_flash'))} | {f(s.get('break_even_vs_bf16'), '{:.0f}') if 'break_even_vs_bf16' in s else 'n/a'} | "
+                  f"{f(s.get('break_even_vs_sdpa_cudnn'), '{:.0f}') if 'break_even_vs_sdpa_cudnn' in s else 'n/a'} |")
+    if acc:
+        print("\n## accuracy: relative error vs float64, positive-weighted P.V (Llama layer, batch 1)")
+        variants = list(dict.fromkeys(r["variant"] for r in acc))
+        print("| context | " + " | ".join(variants) + " |")
+        for ctx in sorted({r["context"] for r in acc}):
+            print(f"| {ctx} | " + " | ".join(f"{r['rel_err']:.2e}" for v in variants for r in acc if r["context"] == ctx and r["variant"] == v) + " |")
+    if ndl:
+        print("\n## needle: fraction of query heads retrieving the planted value (bit accuracy)")
+        variants = list(dict.fromkeys(r["variant"] for r in ndl))
+        print("| context | " + " | ".join(variants) + " |")
+        for ctx in sorted({r["context"] for r in ndl}):
+            print(f"| {ctx} | " + " | ".join(f"{r['retrieved']:.2f} ({r['bit_accuracy']:.3f})" for v in variants for r in ndl if r["context"] == ctx and r["variant"] == v) + " |")
+    if target_lines:
+        print("\n## targets")
+        for line in target_lines:
+            print("- " + line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: 3 contexts, batch 8, short accuracy")
+    p.add_argument("--formats", default=",".join([*FORMATS, *SDPA_COLUMNS]), help="comma list of FORMATS rows and sdpa_cudnn/sdpa_flash")
+    p.add_argument("--contexts", default=None, help="comma list of context lengths")
+    p.add_argument("--batch", default=None, help="comma list of batch sizes")
+    p.add_argument("--geometries", default=",".join(GEOMETRIES), help="comma list of " + ", ".join(GEOMETRIES))
+    p.add_argument("--tune", action="store_true", help="pick tile/split configs on this GPU before the table")
+    p.add_argument("--skip-accuracy", action="store_true", help="skip the accuracy and needle sections")
+    p.add_argument("--out", default=None, help="JSON path (default $OUT/bench_decode.json when $OUT is set)")
+    args = p.parse_args(argv)
+    args.formats = [f for f in args.formats.split(",") if f]
+    unknown = [f for f in args.formats if f not in FORMATS and f not in SDPA_COLUMNS]
+    if unknown:
+        p.error(f"unknown formats {unknown}; known: {[*FORMATS, *SDPA_COLUMNS]}")
+    args.geometries = [g for g in args.geometries.split(",") if g]
+    args.contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else ([1024, 4096, 16384] if args.quick else CONTEXTS)
+    args.batch = [int(b) for b in args.batch.split(",")] if args.batch else ([8] if args.quick else BATCHES)
+    out_path = args.out or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else None)
+    if not torch.cuda.is_available():
+        print("bench_decode needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    import triton
+
+    log: dict[str, Any] = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        python=platform.python_version(), commit=os.environ.get("KVP_COMMIT", "unknown"), argv=sys.argv[1:],
+        block_size=BLOCK_SIZE, rotate_bytes=ROTATE_BYTES,
+        default_configs={f"{n}/d{d}": asdict(default_config(d, n == "fp8", device)) for n in ("bf16", "fp8") for d in (64, 128)},
+    )
+
+    def save() -> None:
+        if out_path:
+            os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+            with open(out_path, "w") as fh:
+                json.dump(log, fh, indent=1)
+
+    print(f"# bench_decode {log['date']} on {log['gpu']} (torch {log['torch']}, triton {log['triton']}, commit {log['commit']})", flush=True)
+    if args.tune:
+        tune(device, log)
+        save()
+    records = speed_table(args, device, log, save)
+    summary = summarise(records, log)
+    target_lines = targets(records, summary, log)
+    save()
+    acc, ndl = [], []
+    if not args.skip_accuracy:
+        acc_contexts = [4096, 16384] if args.quick else [4096, 16384, 65536, 131072]
+        acc = accuracy(acc_contexts, device, log)
+        save()
+        ndl = needle(acc_contexts, device, log)
+        save()
+    print_table(records, summary, target_lines, acc, ndl)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

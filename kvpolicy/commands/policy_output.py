@@ -1,0 +1,261 @@
+"""Outputs of lint, test, check and diff: a plain table for people, JSON, and GitHub annotations.
+
+`--format github` prints workflow commands (`::error file=F,line=L,col=C,title=T::message`)
+that GitHub Actions turns into annotations on the offending line of the pull request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kvpolicy.render import echo
+
+OUTPUT_FORMATS = ("table", "json", "github")
+
+
+def _escape(text: str, prop: bool = False) -> str:
+    text = str(text).replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    if prop:
+        text = text.replace(":", "%3A").replace(",", "%2C")
+    return text
+
+
+def repo_path(file: str) -> str:
+    """A path relative to the working folder when it lies under it (GitHub resolves annotations from the repo root)."""
+    try:
+        p = Path(file)
+        if p.is_absolute():
+            return Path(os.path.relpath(p, Path.cwd())).as_posix() if str(p).startswith(str(Path.cwd())) else str(p)
+        return p.as_posix()
+    except (OSError, ValueError):
+        return file
+
+
+def annotation(level: str, message: str, file: str | None = None, line: int | None = None,
+               col: int | None = None, title: str | None = None) -> str:
+    """One GitHub workflow command: level is error, warning or notice."""
+    props = []
+    if file and not file.startswith("builtin:"):
+        props.append(f"file={_escape(repo_path(file), True)}")
+        if line is not None:
+            props.append(f"line={line}")
+            if col is not None:
+                props.append(f"col={col}")
+    if title:
+        props.append(f"title={_escape(title, True)}")
+    return f"::{level} {','.join(props)}::{_escape(message)}" if props else f"::{level}::{_escape(message)}"
+
+
+def at(file: str, line: int | None, col: int | None) -> str:
+    """`file:line:col` (as much as is known)."""
+    return file + (f":{line}" if line is not None else "") + (f":{col}" if line is not None and col else "")
+
+
+def dump_json(data: Any) -> None:
+    """Pretty JSON on stdout."""
+    echo(json.dumps(data, indent=2, default=str))
+
+
+# -- lint --------------------------------------------------------------------------------
+
+
+def render_lint(findings: list[Any], num_files: int, fmt: str) -> None:
+    """Findings as `file:line:col: CODE [severity] message` lines, JSON, or annotations."""
+    errors = sum(f.severity == "error" for f in findings)
+    warnings = len(findings) - errors
+    if fmt == "json":
+        dump_json({"files": num_files, "errors": errors, "warnings": warnings,
+                   "findings": [f.to_json() for f in findings]})
+        return
+    if fmt == "github":
+        for f in findings:
+            echo(annotation(f.severity, f.message, f.file, f.line, f.col, f"{f.code} {f.name}"))
+    else:
+        for f in findings:
+            echo(f"{at(f.file, f.line, f.col)}: {f.code} [{f.severity}] {f.message}")
+    noun = "file" if num_files == 1 else "files"
+    echo(f"{num_files} {noun} linted: {errors} error{'s' * (errors != 1)}, "
+         f"{warnings} warning{'s' * (warnings != 1)}" + ("" if findings else ", all clean"))
+
+
+def render_checks(checks: list[Any], fmt: str) -> None:
+    """The lint checks table (`kvpolicy lint --list-checks`)."""
+    if fmt == "json":
+        dump_json([vars(c) for c in checks])
+        return
+    for c in checks:
+        echo(f"{c.code}  {c.name:<28} {c.severity:<8} {c.summary}")
+
+
+# -- test --------------------------------------------------------------------------------
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, list):
+        return "[" + ", ".join(map(str, v)) + "]"
+    return str(v)
+
+
+def render_tests(files: list[Any], coverage: dict[str, list[str]], fmt: str, verbose: bool) -> dict[str, int]:
+    """The pass/fail table (failures with expected vs got and the deciding rule); returns the counts."""
+    counts = {"PASS": 0, "FAIL": 0, "ERROR": 0, "SKIPPED": 0}
+    for fr in files:
+        for c in fr.cases:
+            counts[c.status] += 1
+        if fr.error:
+            counts["ERROR"] += 1
+    if fmt == "json":
+        dump_json({"summary": {k.lower(): v for k, v in counts.items()},
+                   "files": [{"file": fr.file, "policy_file": fr.policy_file, "policy": fr.policy,
+                              "error": fr.error, "cases": [vars(c) for c in fr.cases]} for fr in files],
+                   "coverage": {p: {"uncovered": u} for p, u in coverage.items()}})
+        return counts
+    for fr in files:
+        if fmt == "github":
+            if fr.error:
+                echo(annotation("error", fr.error, fr.file, fr.error_line, fr.error_col, "kvpolicy test"))
+            for c in fr.cases:
+                if c.status in ("FAIL", "ERROR"):
+                    echo(annotation("error", f"{c.status} {c.name}: " + "; ".join(_mismatch_lines(c)),
+                                    fr.file, c.line, None, "kvpolicy test"))
+            continue
+        echo(f"{fr.file}" + (f"  ({fr.policy})" if fr.policy else ""))
+        if fr.error:
+            echo(f"  ERROR  {fr.error}")
+        for c in fr.cases:
+            if c.status == "PASS" and not verbose:
+                continue
+            echo(f"  {c.status:<7} {c.name}" + (f"  (line {c.line})" if c.line else ""))
+            for text in _mismatch_lines(c):
+                echo(f"           {text}")
+            if c.status == "FAIL" or (verbose and c.fields):
+                trace = ", ".join(f"{n}={_value(f['value'])} by {f['decided_by']}" for n, f in c.fields.items())
+                if trace:
+                    echo(f"           trace: {trace}")
+        shown = sum(1 for c in fr.cases if c.status == "PASS")
+        if shown and not verbose:
+            echo(f"  PASS    {shown} case{'s' * (shown != 1)}")
+    if fmt != "github":
+        for policy, uncovered in coverage.items():
+            if uncovered:
+                echo(f"coverage: {policy}: no case fired {', '.join(uncovered)}")
+            else:
+                echo(f"coverage: {policy}: every rule and pin fired in some case")
+    echo(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} errors, {counts['SKIPPED']} skipped")
+    return counts
+
+
+def _mismatch_lines(c: Any) -> list[str]:
+    if c.status == "ERROR":
+        return [c.message]
+    out = []
+    for m in c.mismatches:
+        line = f"{m['what']}: expected {_value(m['expected'])}, got {_value(m['got'])}"
+        if m.get("decided_by"):
+            line += f" (decided by {m['decided_by']}: {m.get('reason', '')})"
+        elif m.get("reason"):
+            line += f" ({m['reason']})"
+        out.append(line)
+    return out
+
+
+# -- check -------------------------------------------------------------------------------
+
+
+def render_check(label: str, results: list[dict[str, Any]], fmt: str) -> None:
+    """Per deployment: decision, capacity, warnings and violations."""
+    if fmt == "json":
+        dump_json({"policy": label, "deployments": results})
+        return
+    for r in results:
+        where = (r["file"], r["line"], r["col"])
+        if fmt == "github":
+            if r["status"] == "error":
+                echo(annotation("error", r["error"], *where, title=f"deployment {r['name']}"))
+            for v in r.get("violations", []):
+                echo(annotation("error", f"deployment {r['name']}: {v}", *where, title="kvpolicy check"))
+            for w in r.get("warnings", []):
+                echo(annotation("warning", f"deployment {r['name']}: {w}", *where, title="kvpolicy check"))
+            continue
+        mark = {"ok": "ok", "violation": "FAIL", "error": "ERROR"}[r["status"]]
+        echo(f"{mark:<5} {r['name']}  ({at(*where)})")
+        if r["status"] == "error":
+            echo(f"      {r['error']}")
+            continue
+        d, cap = r["decision"], r["capacity"]
+        echo(f"      {r['model']} on {r['gpu']}: kv_cache_dtype {d['kv_cache_dtype']} ({r['decided_by']['kv_cache_dtype']})"
+             f", skip {_value(d['skip_layers'])}, two-level {d['two_level_accumulation']}, scales {d['scale_source']}, "
+             f"backend {d['attention_backend'] or 'vLLM default'}")
+        fits = cap["max_concurrency"]
+        echo(f"      capacity: {int(fits) if fits is not None else 'n/a'} requests fit "
+             f"({cap['concurrency']} needed), {cap['capacity_vs_bf16']}x BF16"
+             + (f"; accuracy ~{r['accuracy_recovery']:.0%}" if r.get("accuracy_recovery") else ""))
+        echo(f"      vllm serve ... {' '.join(r['vllm_args'])}")
+        for v in r["violations"]:
+            echo(f"      violation: {v}")
+        for w in r["warnings"]:
+            echo(f"      warning: {w}")
+    if fmt != "github":
+        bad = sum(r["status"] != "ok" for r in results)
+        echo(f"{len(results)} deployment{'s' * (len(results) != 1)} checked against {label}: "
+             f"{len(results) - bad} ok, {bad} with problems")
+
+
+# -- diff --------------------------------------------------------------------------------
+
+
+def render_diff(old_label: str, new_label: str, changes: list[str], diffs: list[Any], new_file: str,
+                sources: Any, fmt: str) -> None:
+    """Policy-level changes, then each deployment's decision change with the rules that decide now and before."""
+    if fmt == "json":
+        dump_json({"old": old_label, "new": new_label, "policy_changes": changes,
+                   "deployments": [_diff_json(d) for d in diffs]})
+        return
+    if fmt == "github":
+        for d in diffs:
+            if d.status in ("changed", "error"):
+                file, line, col = sources.deployment(d.name)
+                level = "error" if d.status == "error" else "warning"
+                text = d.error if d.status == "error" else "; ".join(_change_text(c) for c in d.changes)
+                echo(annotation(level, f"deployment {d.name}: {text}", file, line, col, "kvpolicy diff"))
+        return
+    echo(f"policy: {old_label} -> {new_label}")
+    for line in changes or ["(no change to rules, thresholds, pins, constraints or defaults)"]:
+        echo(f"  {line}")
+    echo("deployments:")
+    if not diffs:
+        echo("  (none: add `deployments:` to the policy, or pass --model and --gpu)")
+    for d in diffs:
+        if d.status == "error":
+            echo(f"  ERROR   {d.name}: {d.error}")
+        elif d.status in ("added", "removed"):
+            dec = d.new_decision or d.old_decision or {}
+            echo(f"  {d.status.upper():<7} {d.name}: kv_cache_dtype {dec.get('kv_cache_dtype')}")
+        elif d.status == "unchanged":
+            echo(f"  same    {d.name}: kv_cache_dtype {d.new_decision['kv_cache_dtype']}")
+        else:
+            echo(f"  CHANGED {d.name}")
+            for c in d.changes:
+                echo(f"          {_change_text(c)}")
+        if d.status == "changed" and d.old_concurrency != d.new_concurrency:
+            echo(f"          max concurrency {d.old_concurrency:g} -> {d.new_concurrency:g}")
+        for w in d.warnings_added:
+            echo(f"          + warning: {w}")
+    changed = sum(d.status == "changed" for d in diffs)
+    echo(f"{len(diffs)} deployment{'s' * (len(diffs) != 1)}, {changed} decision{'s' * (changed != 1)} changed")
+
+
+def _change_text(c: Any) -> str:
+    by = c.new_by if c.old_by == c.new_by else f"{c.old_by} -> {c.new_by}"
+    return f"{c.field}: {_value(c.old)} -> {_value(c.new)} ({by}: {c.reason})"
+
+
+def _diff_json(d: Any) -> dict[str, Any]:
+    data = dict(vars(d))
+    data["changes"] = [vars(c) for c in d.changes]
+    return data

@@ -1,0 +1,112 @@
+"""A policy's `deployments:` turned into inputs and recommendations (for check, diff, explain, test).
+
+Errors name the deployment and the line it is written on, e.g.
+``team.yaml:41:5: deployment `chat`: --model: unknown model `lama3`...``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvpolicy.errors import InputError, KvPolicyError, did_you_mean
+from kvpolicy.policy.loader import BUILTIN, LoadedPolicy
+from kvpolicy.policy.schema import Deployment
+from kvpolicy.policy.sources import Sources
+
+if TYPE_CHECKING:
+    from kvpolicy.arch import ModelArch
+    from kvpolicy.decision import Recommendation, Workload
+    from kvpolicy.gpus import GpuSpec
+
+
+def find_deployment(loaded: LoadedPolicy, name: str) -> Deployment:
+    """The deployment called `name`, or an InputError listing the others."""
+    for dep in loaded.policy.deployments:
+        if dep.name == name:
+            return dep
+    names = [d.name for d in loaded.policy.deployments]
+    listed = ", ".join(names) if names else "none: add a `deployments:` list"
+    raise InputError(f"no deployment `{name}` in {loaded.chain[0]}.{did_you_mean(name, names)} "
+                     f"Deployments: {listed}.")
+
+
+def _where(loaded: LoadedPolicy, dep: Deployment) -> str:
+    file, line, col = Sources.of(loaded).deployment(dep.name)
+    at = f"{file}:{line}:{col}" if line is not None else file
+    return f"{at}: deployment `{dep.name}`"
+
+
+def _model_spec(loaded: LoadedPolicy, spec: str) -> str:
+    """Local model paths in a policy are relative to the policy file's folder."""
+    looks_like_path = spec.startswith(("./", "../")) or spec.endswith(".json")
+    top = loaded.chain[0]
+    if looks_like_path and not top.startswith(BUILTIN) and not Path(spec).is_absolute():
+        return str(Path(top).parent / spec)
+    return spec
+
+
+def deployment_inputs(loaded: LoadedPolicy, dep: Deployment) -> tuple[ModelArch, GpuSpec, Workload]:
+    """Model, GPU and workload of one deployment; errors carry the deployment's file:line."""
+    from kvpolicy.catalog import resolve_gpu, resolve_model
+    from kvpolicy.recommend import make_workload
+
+    where = _where(loaded, dep)
+    try:
+        arch = resolve_model(_model_spec(loaded, dep.model), where=f"{where}: model")
+        gpu = resolve_gpu(dep.gpu, where=f"{where}: gpu")
+        workload = make_workload(loaded, context=dep.context, priority=dep.priority, concurrency=dep.concurrency,
+                                 tp=dep.tp, accuracy_floor=dep.accuracy_floor,
+                                 gpu_memory_utilization=dep.gpu_memory_utilization)
+    except KvPolicyError as exc:
+        text = str(exc)
+        if not text.startswith(where):
+            raise type(exc)(f"{where}: {text}") from None
+        raise
+    return arch, gpu, workload
+
+
+def evaluate(loaded: LoadedPolicy, dep: Deployment) -> Recommendation:
+    """The recommendation for one deployment."""
+    from kvpolicy.recommend import recommend
+
+    arch, gpu, workload = deployment_inputs(loaded, dep)
+    try:
+        return recommend(arch, gpu, workload, loaded)
+    except KvPolicyError as exc:
+        raise type(exc)(f"{_where(loaded, dep)}: {exc}") from None
+
+
+def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]:
+    """Decision, capacity, warnings and violations of one deployment (plain data for check's outputs).
+
+    Violations (exit code 1): the weights leave no room for a KV cache; the chosen
+    cache cannot hold the deployment's concurrency at its context; uncalibrated
+    scales are expected below the deployment's accuracy floor.
+    """
+    file, line, col = Sources.of(loaded).deployment(dep.name)
+    out: dict[str, object] = {"name": dep.name, "file": file, "line": line, "col": col}
+    try:
+        rec = evaluate(loaded, dep)
+    except KvPolicyError as exc:
+        return {**out, "status": "error", "error": str(exc)}
+    est, wl, d = rec.estimates, rec.workload, rec.decision
+    violations = []
+    if rec.trace.facts.get("memory.weights_fit") is False:
+        violations.append(f"the weights of {rec.model} leave no room for a KV cache on {wl.tp} x {rec.gpu}; "
+                          "raise `tp` or use a quantized checkpoint.")
+    elif est.max_concurrency.value is not None and est.max_concurrency.value < wl.concurrency:
+        violations.append(f"{d.kv_cache_dtype} holds {int(est.max_concurrency.value)} requests of "
+                          f"{wl.context_tokens:,} tokens; the deployment needs {wl.concurrency}. Lower the "
+                          "concurrency or context, or raise `tp`.")
+    recovery = est.accuracy_recovery.value
+    if recovery is not None and recovery < wl.accuracy_floor and d.scale_source == "uncalibrated":
+        violations.append(f"expected accuracy recovery {recovery:.0%} with uncalibrated scales is below the floor "
+                          f"{wl.accuracy_floor:.0%}; calibrate scales or keep BF16.")
+    return {**out, "status": "violation" if violations else "ok", "violations": violations,
+            "warnings": rec.warnings, "decision": d.model_dump(), "vllm_args": rec.vllm_args,
+            "decided_by": {k: v.decided_by for k, v in rec.trace.fields.items()},
+            "capacity": {"max_concurrency": est.max_concurrency.value, "concurrency": wl.concurrency,
+                         "kv_capacity_tokens": est.kv_capacity_tokens.value,
+                         "capacity_vs_bf16": est.capacity_vs_bf16.value},
+            "accuracy_recovery": recovery, "model": rec.model, "gpu": rec.gpu, "policy": rec.policy}

@@ -1,0 +1,223 @@
+"""The lint checks themselves, one function per area (see `lint.CHECKS` for the codes)."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import TYPE_CHECKING, Any
+
+from kvpolicy.decision import DECISION_FIELDS
+from kvpolicy.errors import KvPolicyError, did_you_mean
+from kvpolicy.policy.analysis import domains, fact_kind, implies, unsatisfiable
+from kvpolicy.policy.engine import fact_paths, threshold_refs
+from kvpolicy.policy.lint import CODE_THRESHOLDS, DECISION_FACT_FIELD
+
+if TYPE_CHECKING:
+    from kvpolicy.policy.lint import _Linter
+
+
+def _fmt(v: Any) -> str:
+    return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+def _why_empty(region: Any, conj: Any) -> str:
+    dom = domains().get(region.fact)
+    if dom is not None:
+        asked = [v for leaf, value in conj.leaves if leaf.fact == region.fact and leaf.op in ("eq", "in")
+                 for v in (value if isinstance(value, list) else [value]) if v not in dom]
+        if asked:
+            hint = did_you_mean(str(asked[0]), [str(d) for d in dom]) if isinstance(asked[0], str) else ""
+            shown = ", ".join(sorted(map(str, dom)))
+            return f"`{region.fact}` is never {asked[0]!r} (its values: {shown}).{hint}"
+    if fact_kind(region.fact) != "number" and (region.lo != -math.inf or region.hi != math.inf):
+        return f"`{region.fact}` is not a number, so lt/le/gt/ge never hold."
+    return f"the comparisons on `{region.fact}` contradict each other."
+
+
+def rules(lt: _Linter) -> None:
+    """KVL101 unreachable, KVL104/105 evidence, KVL106 no effect, KVL107 forbidden values, KVL108 read too early."""
+    evidence = {e.id for e in lt.policy.evidence}
+    for r in lt.rules:
+        at = lt.src.rule(r.id)
+        file_loc = lt.src.item("rules", "id", r.id)
+        patch = r.then.fields()
+        region = unsatisfiable(lt.conj[r.id])
+        if region is not None:
+            lt.unreachable.add(r.id)
+            lt.emit("KVL101", f"rule {r.id} can never fire: {_why_empty(region, lt.conj[r.id])}", lt.src.rule(r.id, "when"), at)
+        if not patch and not r.advise and not r.warn:
+            lt.emit("KVL106", f"rule {r.id} sets no field, warns nothing and advises nothing; add `then:`, "
+                    "`warn:` or `advise:`, or remove it.", at)
+        if not r.evidence:
+            lt.emit("KVL104", f"rule {r.id} cites no evidence; add the measurement it stands on under `evidence:` "
+                    "(convention: every rule cites its source).", at)
+        for i, ev in enumerate(r.evidence):
+            if ev not in evidence:
+                where = lt.src.at(file_loc[0], file_loc[1] + ("evidence", i)) if file_loc else at
+                lt.emit("KVL105", f"rule {r.id} cites unknown evidence `{ev}`.{did_you_mean(ev, evidence)} "
+                        "Define it under `evidence:`.", where)
+        for field, value in patch.items():
+            pattern = lt.forbidden(field, value)
+            if pattern is not None:
+                lt.emit("KVL107", f"rule {r.id} sets {field}={_fmt(value)}, which constraint `{pattern}` forbids: "
+                        "it can never decide that field. Change the rule or the constraint.",
+                        lt.src.rule(r.id, "then"), at)
+        if patch:
+            _read_too_early(lt, f"rule {r.id}", r.when, patch, file_loc, at)
+
+
+def _read_too_early(lt: _Linter, owner: str, cond: Any, patch: dict[str, Any],
+                    file_loc: tuple[str, tuple[Any, ...]] | None, at: tuple[str, int | None, int | None]) -> None:
+    first = min(DECISION_FIELDS.index(f) for f in patch)
+    for path in fact_paths(cond):
+        field = DECISION_FACT_FIELD.get(path)
+        if field is not None and DECISION_FIELDS.index(field) >= first:
+            where = lt.src.find(file_loc[0], file_loc[1], "fact", path) if file_loc else at
+            lt.emit("KVL108", f"{owner} reads `{path}` but decides {DECISION_FIELDS[first]}, which comes at or "
+                    f"before {field} (order: {', '.join(DECISION_FIELDS)}): it always sees no value. Test an "
+                    "earlier field, or move the test into a separate rule for a later field.", where, at)
+
+
+def shadowing(lt: _Linter) -> None:
+    """KVL102 shadowed and KVL103 conflicting rules, per decision field."""
+    reported: dict[tuple[str, str], list[str]] = {}
+    conflicts: dict[tuple[str, str], list[str]] = {}
+    for field in DECISION_FIELDS:
+        deciders = [(r, r.then.fields()[field]) for r in lt.rules
+                    if field in r.then.fields() and r.id not in lt.unreachable]
+        deciders = [(r, v) for r, v in deciders if lt.forbidden(field, v) is None]
+        for j, (b, bv) in enumerate(deciders):
+            for a, av in deciders[:j]:
+                if not implies(lt.conj[b.id], lt.conj[a.id]):
+                    continue
+                same = implies(lt.conj[a.id], lt.conj[b.id])
+                target = conflicts if same and av != bv else reported
+                target.setdefault((b.id, a.id), []).append(field)
+                break
+    order_at = lt.src.key("order")
+    inherited: dict[str, list[str]] = {}
+    for (b, a), fields in reported.items():
+        if lt.src.rule(b)[0] not in lt.user and lt.src.rule(a)[0] in lt.user:
+            # A new rule that hides inherited ones: one finding at the new rule.
+            inherited.setdefault(a, []).append(f"{b} ({', '.join(fields)})")
+            continue
+        lt.emit("KVL102", f"rule {b} never decides {', '.join(fields)}: whenever it matches, rule {a} (earlier) "
+                f"already has. Narrow rule {a}'s condition, move {b} before it (`order:`), or remove {b}.",
+                lt.src.rule(b), order_at)
+    for a, hidden in inherited.items():
+        lt.emit("KVL102", f"rule {a} hides inherited rules that can then never decide: {', '.join(hidden)}. "
+                f"Narrow rule {a}'s condition, or `disable:` the inherited rules if that is intended.", lt.src.rule(a))
+    for (b, a), fields in conflicts.items():
+        lt.emit("KVL103", f"rules {a} and {b} have the same condition but set {', '.join(fields)} differently; "
+                f"{a} always wins. Make the conditions differ, or remove one.", lt.src.rule(b), lt.src.rule(a),
+                order_at)
+
+
+def pins_and_constraints(lt: _Linter) -> None:
+    """KVL101/107/108 for pins, KVL301 overridden pins, KVL107 forbidden defaults, KVL302 dead patterns."""
+    pins = lt.policy.pins
+    for i, pin in enumerate(pins):
+        at = lt.src.pin(pin.name)
+        file_loc = lt.src.item("pins", "name", pin.name)
+        region = unsatisfiable(lt.pin_conj[i])
+        if region is not None:
+            lt.emit("KVL101", f"pin `{pin.name}` never applies: {_why_empty(region, lt.pin_conj[i])}", lt.src.pin(pin.name, "when"),
+                    at)
+        fields = pin.set.fields()
+        for field, value in fields.items():
+            pattern = lt.forbidden(field, value)
+            if pattern is not None:
+                lt.emit("KVL107", f"pin `{pin.name}` sets {field}={_fmt(value)}, which constraint `{pattern}` "
+                        "forbids; evaluation stops with an error whenever the pin applies.",
+                        lt.src.pin(pin.name, "set"), at)
+        if fields:
+            _read_too_early(lt, f"pin `{pin.name}`", pin.when, fields, file_loc, at)
+        for j in range(i + 1, len(pins)):
+            later = pins[j]
+            shared = [f for f in fields if f in later.set.fields()]
+            if shared and implies(lt.pin_conj[i], lt.pin_conj[j]):
+                lt.emit("KVL301", f"pin `{pin.name}` never takes effect for {', '.join(shared)}: pin `{later.name}` "
+                        "(later; the last matching pin wins) applies whenever it does.", at, lt.src.pin(later.name))
+    for field, value in lt.policy.defaults.fields().items():
+        pattern = lt.forbidden(field, value)
+        if pattern is not None:
+            lt.emit("KVL107", f"defaults.{field}={_fmt(value)} is forbidden by constraint `{pattern}`: evaluation "
+                    "stops with an error whenever no rule decides the field. Change the default.",
+                    lt.src.key("defaults", field), lt.src.key("constraints", "forbid", field))
+    dom = domains()
+    known = {"kv_cache_dtype": dom["decision.kv_cache_dtype"],
+             "two_level_accumulation": dom["decision.two_level_accumulation"],
+             "scale_source": dom["decision.scale_source"]}
+    for field, patterns in lt.policy.constraints.forbid.items():
+        values = known.get(field)
+        if values is None:
+            continue
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(v, pattern) for v in values):
+                lt.emit("KVL302", f"constraints.forbid.{field}: `{pattern}` matches no {field}, so it forbids "
+                        f"nothing.{did_you_mean(pattern, values)} Values: {', '.join(sorted(values))}.",
+                        lt.src.key("constraints", "forbid", field))
+
+
+def thresholds(lt: _Linter) -> None:
+    """KVL201 out of range, KVL202 unused, KVL203 bounds moved, KVL105 unknown evidence."""
+    policy = lt.policy
+    used = set(CODE_THRESHOLDS)
+    for r in policy.rules:
+        used.update(threshold_refs(r.when))
+    for p in policy.pins:
+        used.update(threshold_refs(p.when))
+    evidence = {e.id for e in policy.evidence}
+    for name, t in policy.thresholds.items():
+        at = lt.src.key("thresholds", name)
+        if t.min is not None and t.max is not None and t.min > t.max:
+            lt.emit("KVL201", f"threshold `{name}`: min {t.min:g} is above max {t.max:g}; swap them.",
+                    lt.src.key("thresholds", name, "min"), at)
+        checks = [((), t.value, ("value",)), ((), t.default, ("default",))]
+        checks += [((k,), v, ("values", k)) for k, v in t.values.items()]
+        for _, value, loc in checks:
+            if value is None:
+                continue
+            low = t.min is not None and (value < t.min or math.isnan(value))
+            high = t.max is not None and (value > t.max or math.isnan(value))
+            if low or high:
+                bounds = f"[{'-inf' if t.min is None else f'{t.min:g}'}, {'inf' if t.max is None else f'{t.max:g}'}]"
+                lt.emit("KVL201", f"threshold `{name}`.{'.'.join(loc)} = {value:g} is outside its range {bounds}. "
+                        "Use a value in range (the bounds come from the evidence behind it).",
+                        lt.src.key("thresholds", name, *loc), at)
+        if name not in used:
+            lt.emit("KVL202", f"threshold `{name}` is not read by any rule, pin or estimate.{did_you_mean(name, used)} "
+                    "Reference it with `{threshold: " + name + "}` or remove it.", at)
+        for ev in t.evidence:
+            if ev not in evidence:
+                lt.emit("KVL105", f"threshold `{name}` cites unknown evidence `{ev}`.{did_you_mean(ev, evidence)}",
+                        lt.src.key("thresholds", name, "evidence"), at)
+    # Bounds moved by an extending file (they guard the inherited evidence).
+    if len(lt.loaded.chain) > 1:
+        child = lt.loaded.raw.get(lt.loaded.chain[0])
+        for name, patch in ((child or {}).get("thresholds") or {}).items():
+            if isinstance(patch, dict) and ({"min", "max"} & set(patch)):
+                lt.emit("KVL203", f"threshold `{name}`: this file changes `min`/`max` of an inherited threshold; "
+                        "lint checks values against them, so widen them only with new evidence.",
+                        lt.src.at(lt.loaded.chain[0], ("thresholds", name)))
+
+
+def deployments(lt: _Linter) -> None:
+    """KVL401 unknown model/GPU or bad context, KVL402 floor below the policy's minimum."""
+    from kvpolicy.policy.deployments import deployment_inputs
+
+    floor = lt.policy.constraints.min_accuracy_floor
+    for dep in lt.policy.deployments:
+        at = lt.src.deployment(dep.name)
+        if floor is not None and dep.accuracy_floor is not None and dep.accuracy_floor < floor:
+            lt.emit("KVL402", f"deployment `{dep.name}`: accuracy_floor {dep.accuracy_floor:g} is below the "
+                    f"policy's min_accuracy_floor {floor:g}; raise it.", lt.src.deployment(dep.name, "accuracy_floor"),
+                    at)
+            continue
+        try:
+            deployment_inputs(lt.loaded, dep)
+        except KvPolicyError as exc:
+            message = str(exc)
+            prefix = f"{at[0]}:{at[1]}:{at[2]}: " if at[1] is not None else ""
+            lt.emit("KVL401", message.removeprefix(prefix), at)
+

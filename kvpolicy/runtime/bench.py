@@ -1,0 +1,160 @@
+"""`kvpolicy bench`: decode-step attention time across contexts, fitted per the documents' method.
+
+For every variant (BF16, the decision, `--compare`) and batch, the caches are
+allocated once for the longest context and filled with random K/V; each context
+is then timed as one decode step of every attention layer (store the new token,
+attend). On a GPU the step is captured in a CUDA graph and its replays timed by
+`triton.testing.do_bench` (median, L2 flushed between replays); on the CPU the
+torch references are timed by the wall clock (the same code path, not a
+performance figure). ITL = slope x context + intercept is fitted per variant,
+and the break-even against BF16 is intercept difference / slope difference.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvpolicy.arch import ModelArch
+from kvpolicy.decision import Decision
+from kvpolicy.errors import InputError
+from kvpolicy.estimates import Layout
+from kvpolicy.gpus import GpuSpec
+from kvpolicy.runtime.caches import BLOCK_SIZE, pages_per_sequence, plan_layers
+from kvpolicy.runtime.fit import break_even_tokens, fit_line
+from kvpolicy.runtime.results import BenchFit, BenchPoint, BenchResult, VariantInfo, environment
+from kvpolicy.runtime.step import DecodeStep
+from kvpolicy.runtime.variants import Variant
+
+GPU_WARMUP_MS = 25
+"""do_bench warm-up per point (ms of replays)."""
+GPU_REP_MS = 100
+"""do_bench measurement per point (ms of replays); the median is kept."""
+CPU_REPS = 2
+"""Timed runs per point on the CPU after one warm-up (the references are slow)."""
+MEMORY_HEADROOM = 0.9
+"""Fraction of free GPU memory the caches may take."""
+
+
+def cache_bytes(arch: ModelArch, variant: Variant, batch: int, max_context: int) -> int:
+    """Bytes the variant's caches take for `batch` sequences of `max_context` tokens (window-bounded)."""
+    total = 0
+    for plan in plan_layers(arch, variant):
+        if plan.has_cache:
+            total += plan.bytes_per_token * batch * pages_per_sequence(plan, max_context + 1) * BLOCK_SIZE
+    return total
+
+
+def time_step(step: DecodeStep) -> tuple[float, str]:
+    """Median ms of one decode step, and how it was timed."""
+    if step.device.type != "cuda":
+        step.run()
+        times = []
+        for _ in range(CPU_REPS):
+            t0 = time.perf_counter()
+            step.run()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), f"wall clock, median of {CPU_REPS} after 1 warm-up (torch references)"
+    import triton.testing
+
+    for _ in range(2):
+        step.run()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step.run()
+        torch.cuda.synchronize()
+        fn, how = graph.replay, "CUDA graph replay"
+    except Exception:  # noqa: BLE001 - a layer that syncs with the host (reference path) cannot be captured
+        torch.cuda.synchronize()
+        fn, how = step.run, "eager launches (graph capture failed)"
+    ms = triton.testing.do_bench(fn, warmup=GPU_WARMUP_MS, rep=GPU_REP_MS, return_mode="median")
+    return float(ms), f"{how}, triton.testing.do_bench median ({GPU_REP_MS} ms of replays, L2 flushed)"
+
+
+def run_bench(arch: ModelArch, gpu: GpuSpec, decision: Decision, variants: list[Variant], contexts: list[int],
+              batches: list[int], device: torch.device, backend: str, policy_label: str = "",
+              on_point: Callable[[str], None] | None = None, seed: int = 0) -> BenchResult:
+    """Time every (variant, batch, context) and fit the lines."""
+    if len(set(contexts)) < 2:
+        raise InputError("--contexts: a line needs at least two different context lengths, e.g. 1k..128k.")
+    contexts = sorted(set(contexts))
+    env = environment(device, backend)
+    result = BenchResult(model=arch.id, gpu=gpu.id, environment=env, policy=policy_label, decision=decision,
+                         contexts=contexts, batches=batches, variants=[], block_size=BLOCK_SIZE)
+    longest = contexts[-1]
+    for variant in variants:
+        info = None
+        for batch in batches:
+            _check_memory(arch, variant, batch, longest, device)
+            step = DecodeStep(arch, variant, batch, longest, device, backend, seed=seed)
+            if info is None:
+                info = VariantInfo(name=variant.name, key=variant.key, kv_cache_dtype=variant.kv_cache_dtype,
+                                   skip_layers=list(variant.skip_layers), two_level=variant.two_level,
+                                   scale_source=variant.scale_source,
+                                   kv_bytes_per_token=Layout.of(arch, variant.kv_cache_dtype,
+                                                                list(variant.skip_layers)).bytes_per_token(1),
+                                   layer_paths=step.layer_paths())
+                result.variants.append(info)
+                if "reference" in info.layer_paths and backend == "triton":
+                    result.warnings.append(
+                        f"{variant.name}: layers {_span(info.layer_paths['reference'])} run the float64 torch "
+                        "reference (the Triton kernels take head_dim 16-256): their time is not a kernel's.")
+            step.fill(longest)
+            for context in contexts:
+                step.prepare(context)
+                ms, how = time_step(step)
+                result.timing = how
+                result.points.append(BenchPoint(variant=variant.name, batch=batch, context_tokens=context,
+                                                itl_ms=round(ms, 6)))
+                if on_point:
+                    on_point(f"{variant.name} batch {batch} {context} tokens: {ms:.3f} ms")
+            del step
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    result.fits = fit_all(result)
+    if backend != "triton":
+        result.warnings.append("CPU run: the torch references were timed, not the kernels; these numbers test "
+                               "the code path and say nothing about a GPU.")
+    return result
+
+
+def fit_all(result: BenchResult) -> list[BenchFit]:
+    """Lines per (variant, batch), with slope ratio and break-even against BF16 of the same batch."""
+    fits: list[BenchFit] = []
+    keys = {v.name: v.key for v in result.variants}
+    for batch in result.batches:
+        lines = {}
+        for v in result.variants:
+            pts = [p for p in result.points if p.variant == v.name and p.batch == batch]
+            if len(pts) >= 2:
+                lines[v.name] = fit_line([p.context_tokens for p in pts], [p.itl_ms for p in pts])
+        base = lines.get(result.variants[0].name) if result.variants else None
+        for name, line in lines.items():
+            is_base = name == result.variants[0].name
+            ratio = None if is_base or base is None else line.slope_ms_per_token / base.slope_ms_per_token
+            be = None if is_base or base is None else break_even_tokens(base, line)
+            fits.append(BenchFit(variant=name, key=keys[name], batch=batch,
+                                 slope_ms_per_token=line.slope_ms_per_token, intercept_ms=line.intercept_ms,
+                                 r2=round(line.r2, 5), slope_ratio=None if ratio is None else round(ratio, 4),
+                                 break_even_tokens=None if be is None else round(be)))
+    return fits
+
+
+def _check_memory(arch: ModelArch, variant: Variant, batch: int, context: int, device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    need = cache_bytes(arch, variant, batch, context)
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free * MEMORY_HEADROOM:
+        raise InputError(f"{variant.name} at batch {batch} and {context} tokens needs {need / 2**30:.1f} GiB of KV "
+                         f"cache; {free / 2**30:.1f} GiB of GPU memory is free. Use a smaller --batch or a "
+                         "shorter longest --contexts.")
+
+
+def _span(indices: list[int]) -> str:
+    return f"{indices[0]}-{indices[-1]}" if len(indices) > 2 else ", ".join(map(str, indices))

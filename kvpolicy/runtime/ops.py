@@ -1,0 +1,82 @@
+"""Store and decode for one layer's cache: the Triton kernels on a GPU, the torch references elsewhere.
+
+This is where a layer plan becomes kernel calls. The kernels take tensors, a
+cache layout and switches; which switch a layer gets (format, window, sinks,
+two-level, scales) comes from its plan and the variant, never from a policy.
+`backend` is `triton` (CUDA) or `reference` (float64 torch, any device).
+Layers the BF16/FP8 kernel does not take (an MLA latent of 576 dims, head dims
+above 256) run the reference on every backend; `LayerPlan.kernel_path` says
+which, and the results report it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvpolicy.runtime.caches import LayerCache, LayerPlan
+
+
+def store(cache: LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, backend: str) -> None:
+    """Write K/V [tokens, num_kv_heads, head_dim] at int64 `slots` [tokens] into the layer's cache."""
+    plan = cache.plan
+    assert plan.fmt is not None
+    if plan.fmt.kind == "turboquant":
+        if backend == "triton":
+            from kvpolicy.kernels.tq_store import store_kv_tq
+
+            store_kv_tq(key, value, cache.key_cache, slots, plan.fmt.name)
+        else:
+            from kvpolicy.kernels.tq_reference import store_kv_ref
+
+            store_kv_ref(key, value, cache.key_cache, slots, plan.fmt.name)
+        return
+    if backend == "triton":
+        from kvpolicy.kernels.paged_store import store_kv
+
+        kc, vc = cache.key_cache, cache.value_cache
+        d = plan.head_dim
+        if d & (d - 1) and d % 64 == 0:
+            # An MLA latent (576 = 9 x 64) is stored as 64-wide pieces: same bytes, a head dim the kernel takes.
+            pieces = d // 64
+            key, value = key.reshape(-1, pieces, 64), value.reshape(-1, pieces, 64)
+            kc, vc = kc.view(*kc.shape[:2], pieces, 64), vc.view(*vc.shape[:2], pieces, 64)
+        store_kv(key, value, kc, vc, slots, cache.k_scale, cache.v_scale)
+        return
+    from kvpolicy.kernels.reference import ref_store_kv
+
+    ref_store_kv(key, value, cache.key_cache, cache.value_cache, slots, cache.k_scale, cache.v_scale)
+
+
+def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, backend: str, two_level: bool = True) -> torch.Tensor:
+    """One query token per sequence over `cache` (possibly another layer's, for shared layers).
+
+    Returns [batch, num_q_heads, out_dim] in the query's dtype.
+    """
+    fmt = cache.plan.fmt
+    assert fmt is not None
+    path = plan.kernel_path(backend)
+    common: dict[str, Any] = {"sm_scale": plan.sm_scale, "sliding_window": plan.window, "sinks": cache.sinks}
+    if fmt.kind == "turboquant":
+        if path == "triton":
+            from kvpolicy.kernels.tq_decode import decode_attention_tq
+
+            out = decode_attention_tq(query, cache.key_cache, block_tables, seq_lens, fmt.name, **common)
+        else:
+            from kvpolicy.kernels.tq_reference import decode_attention_tq_ref
+
+            out = decode_attention_tq_ref(query, cache.key_cache, block_tables, seq_lens, fmt.name, **common)
+    elif path == "triton":
+        from kvpolicy.kernels.decode_attention import decode_attention
+
+        out = decode_attention(query, cache.key_cache, cache.value_cache, block_tables, seq_lens,
+                               k_scale=cache.k_scale, v_scale=cache.v_scale, two_level=two_level, **common)
+    else:
+        from kvpolicy.kernels.reference import ref_decode_attention
+
+        out = ref_decode_attention(query, cache.key_cache, cache.value_cache, block_tables, seq_lens,
+                                   k_scale=cache.k_scale, v_scale=cache.v_scale, two_level=two_level, **common)
+    out = out.to(query.dtype)
+    return out[..., : plan.out_dim] if plan.out_dim != out.shape[-1] else out

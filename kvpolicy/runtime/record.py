@@ -1,0 +1,152 @@
+"""`bench --record FILE`: write the measured ITL lines into a policy file as evidence.
+
+The entry is an ordinary `evidence:` item with an `itl:` block for the model and
+GPU measured, so `--policy FILE` makes the estimates label slope ratio and
+break-even *measured* and the engine's `latency.*_break_even_tokens` facts (and
+with them the dtype rules' thresholds) follow the user's GPU. An existing file
+is updated in place through a round trip (comments, order and quoting kept), the
+result is validated as a policy before it replaces the file atomically; a
+missing file becomes a small policy that extends the built-in one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvpolicy.errors import InputError, PolicyError
+from kvpolicy.runtime.results import BenchFit, BenchResult
+
+NEW_POLICY = """\
+# Measured decode-latency evidence, written by `kvpolicy bench --record`.
+# Use it with `kvpolicy recommend --policy {name}`: for a model and GPU measured
+# here, the slope ratio and break-even estimates are labelled measured, and the
+# dtype rules' break-even facts follow these numbers instead of the studies'.
+version: 1
+name: measured-itl
+description: Built-in policy plus ITL lines measured on our own GPUs.
+extends: builtin:default
+"""
+
+
+def evidence_id(model: str, gpu: str) -> str:
+    """Evidence id of a recorded bench: `bench-itl-<model>-<gpu>`."""
+    def slug(s: str) -> str:
+        return re.sub(r"[^a-z0-9.]+", "-", s.lower()).strip("-.") or "x"
+
+    return f"bench-itl-{slug(model)}-{slug(gpu)}"
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def recorded_fits(result: BenchResult) -> tuple[int, dict[str, BenchFit]]:
+    """The batch recorded (1 when measured: the documents' single request) and one fit per evidence key."""
+    batch = 1 if 1 in result.batches else min(result.batches)
+    plain = {v.name for v in result.variants if v.two_level and v.scale_source == "uncalibrated"}
+    fits: dict[str, BenchFit] = {}
+    for preferred in (True, False):
+        for f in result.fits:
+            if f.batch == batch and f.key not in fits and (f.variant in plain) == preferred:
+                fits[f.key] = f
+    if "bf16" not in fits:
+        raise InputError("--record: the bench has no BF16 line to record against.")
+    return batch, fits
+
+
+def evidence_entry(result: BenchResult) -> dict[str, Any]:
+    """The evidence item (plain data) for a bench result."""
+    batch, fits = recorded_fits(result)
+    env = result.environment
+    base = fits["bf16"]
+    parts = [f"BF16 {base.slope_ms_per_token:.3g}"]
+    for key, f in fits.items():
+        if key != "bf16":
+            parts.append(f"{key} {f.slope_ms_per_token:.3g} ({f.slope_ratio:.0%})" if f.slope_ratio is not None
+                         else f"{key} {f.slope_ms_per_token:.3g}")
+    intercepts = " / ".join(f"{f.intercept_ms:.3g}" for f in fits.values())
+    evens = [f"{k} {f.break_even_tokens:,.0f}" if f.break_even_tokens is not None else f"{k} never"
+             for k, f in fits.items() if k != "bf16"]
+    statement = (f"kvpolicy bench, {result.model} geometry on {env.device}, batch {batch}, contexts "
+                 f"{min(result.contexts):,}-{max(result.contexts):,}: decode-step attention slope "
+                 f"{', '.join(parts)} ms/token; intercepts {intercepts} ms; break-even "
+                 f"{', '.join(evens) or 'n/a'} tokens.")
+    source = (f"kvpolicy bench --record, {env.date}, {env.device} ({env.backend}), kvpolicy {env.kvpolicy_version} "
+              f"commit {env.commit}, torch {env.torch_version}, triton {env.triton_version or 'none'}")
+    variants: dict[str, dict[str, float]] = {}
+    for key, f in fits.items():
+        fit: dict[str, float] = {"slope_ms_per_token": _sig(f.slope_ms_per_token), "intercept_ms": _sig(f.intercept_ms)}
+        if f.break_even_tokens:
+            fit["break_even_tokens"] = float(round(f.break_even_tokens))
+        variants[key] = fit
+    return {"id": evidence_id(result.model, result.gpu), "statement": statement, "source": source,
+            "itl": {"model": result.model, "gpu": result.gpu, "variants": variants}}
+
+
+def record_bench(result: BenchResult, path: Path) -> str:
+    """Write (or replace) the bench's evidence entry in the policy file at `path`; returns the evidence id."""
+    entry = evidence_entry(result)
+
+    def mutate(doc: Any) -> None:
+        from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+        items = doc.get("evidence")
+        if not isinstance(items, list):
+            items = CommentedSeq()
+            doc["evidence"] = items
+        node = CommentedMap()
+        for k in ("id", "statement", "source"):
+            node[k] = entry[k]
+        itl = CommentedMap(model=entry["itl"]["model"], gpu=entry["itl"]["gpu"])
+        variants = CommentedMap()
+        for key, fit in entry["itl"]["variants"].items():
+            m = CommentedMap(fit)
+            m.fa.set_flow_style()
+            variants[key] = m
+        itl["variants"] = variants
+        node["itl"] = itl
+        for i, item in enumerate(items):
+            if isinstance(item, dict) and item.get("id") == entry["id"]:
+                items[i] = node
+                return
+        items.append(node)
+
+    update_policy_file(path, mutate)
+    return entry["id"]
+
+
+def update_policy_file(path: Path, mutate: Any) -> None:
+    """Round-trip `path` (created from NEW_POLICY when missing) through `mutate`, validate, replace atomically."""
+    from ruamel.yaml import YAML
+
+    from kvpolicy.policy.loader import load_policy
+    from kvpolicy.yamlio import load_roundtrip, read_text
+
+    text = read_text(path) if path.exists() else NEW_POLICY.format(name=path.name)
+    doc = load_roundtrip(text, str(path))
+    if doc is None:
+        doc = load_roundtrip(NEW_POLICY.format(name=path.name), str(path))
+    if not isinstance(doc, dict):
+        raise PolicyError(f"{path}: a policy file must be a YAML mapping; --record cannot add evidence to it.")
+    mutate(doc)
+    yaml = YAML(typ="rt")
+    yaml.indent(mapping=2, sequence=4, offset=2)
+    yaml.width = 4096
+    yaml.preserve_quotes = True
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yaml.dump(doc, f)
+        load_policy(tmp)  # the written file must load as a policy before it replaces anything
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

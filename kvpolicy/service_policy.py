@@ -1,0 +1,174 @@
+"""The policy `kvpolicy serve` answers with, and its hot reload.
+
+The serving policy is one reference (`PolicyHolder.current`, a frozen Snapshot):
+a request reads it once, a reload replaces it in one assignment, so no answer
+ever mixes two versions. A new version is loaded, reference-checked and
+smoke-evaluated before it replaces the old one; a broken edit is logged and
+counted, and the last good policy keeps serving. Changes are found by polling
+the files' mtime and size (no extra dependency; a change is read once it has
+held still for one poll interval) and on SIGHUP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpolicy.errors import PolicyError
+from kvpolicy.policy.loader import BUILTIN, LoadedPolicy, load_policy
+from kvpolicy.yamlio import read_text
+
+log = logging.getLogger("kvpolicy.serve")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One validated version of the policy, as served."""
+
+    loaded: LoadedPolicy
+    """The merged, validated policy."""
+    path: str
+    """The policy as named on the command line (a path or `builtin:NAME`)."""
+    loaded_at: float
+    """Unix time it started serving."""
+
+    @property
+    def hash(self) -> str:
+        """Content hash over every file of the chain (12 hex digits)."""
+        return self.loaded.content_hash
+
+    @property
+    def label(self) -> str:
+        """`name@hash`, as in Recommendation.policy."""
+        return self.loaded.label
+
+
+def validate(spec: str) -> LoadedPolicy:
+    """Load a policy and prove it can decide: schema, references, and a smoke evaluation.
+
+    The smoke set is the first catalog model of each attention kind on the first
+    catalog GPU of each generation, with the policy's default workload, so a rule
+    that breaks only on MLA or only on Blackwell is caught before it serves.
+    """
+    from kvpolicy.catalog import load_gpus, load_models
+    from kvpolicy.policy.engine import check_references
+    from kvpolicy.recommend import make_workload, recommend
+
+    if not spec.startswith(BUILTIN) and not read_text(Path(spec)).strip():
+        # An empty file is a valid, rule-less policy, but far more often an editor's write in progress.
+        raise PolicyError(f"{spec}: the policy file is empty; refusing to serve an empty policy.")
+    loaded = load_policy(spec)
+    check_references(loaded.policy)
+    workload = make_workload(loaded)
+    archs = {m.attention: m for m in reversed(load_models().values())}.values()
+    gpus = {g.generation: g for g in reversed(load_gpus().values())}.values()
+    for arch in archs:
+        for gpu in gpus:
+            recommend(arch, gpu, workload, loaded)
+    return loaded
+
+
+class PolicyHolder:
+    """The serving policy, its reload history, and the watcher that keeps it current."""
+
+    def __init__(self, spec: str) -> None:
+        """Load `spec` (a path or `builtin:NAME`); a broken policy raises here, before anything serves."""
+        self.spec = spec
+        self.current = Snapshot(validate(spec), spec, time.time())
+        self.reloads: Counter[str] = Counter()
+        """Reload attempts by result: accepted, rejected, unchanged."""
+        self.last_reload: dict[str, Any] | None = None
+        """The last attempt: result, reason, time, error (for /healthz)."""
+        self._seen = self.signature()
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def watched_files(self) -> list[Path]:
+        """The requested file and every file of the serving policy's `extends` chain."""
+        names = [self.spec, *self.current.loaded.chain]
+        return list(dict.fromkeys(Path(n) for n in names if not n.startswith(BUILTIN)))
+
+    def signature(self) -> tuple[tuple[str, int, int], ...]:
+        """(path, mtime_ns, size) of each watched file; -1s for a missing one."""
+        out = []
+        for path in self.watched_files():
+            try:
+                st = path.stat()
+                out.append((str(path), st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append((str(path), -1, -1))
+        return tuple(out)
+
+    def reload(self, reason: str) -> str:
+        """Validate the file again and swap it in if it is good and new; returns accepted/rejected/unchanged."""
+        old = self.current
+        try:
+            loaded = validate(self.spec)
+        except Exception as exc:  # noqa: BLE001 - any failure rejects the edit; the old policy keeps serving
+            result, error = "rejected", f"{type(exc).__name__}: {exc}"
+            log.error("policy reload (%s) rejected, still serving %s:\n%s", reason, old.label, error)
+        else:
+            error = None
+            if loaded.content_hash == old.hash:
+                result = "unchanged"
+            else:
+                result = "accepted"
+                self.current = Snapshot(loaded, self.spec, time.time())
+                log.info("policy reload (%s): now serving %s (was %s)", reason, loaded.label, old.label)
+        self.reloads[result] += 1
+        self.last_reload = {"result": result, "reason": reason, "at": time.time(), "error": error}
+        return result
+
+    async def reload_async(self, reason: str) -> str:
+        """`reload` in a worker thread (loading takes tens of ms), one at a time."""
+        async with self._lock:
+            return await asyncio.to_thread(self.reload, reason)
+
+    async def _poll(self, interval_s: float) -> None:
+        pending = None
+        while True:
+            await asyncio.sleep(interval_s)
+            now = self.signature()
+            if now == self._seen:
+                pending = None
+            elif now != pending:
+                # Changed since the last look: wait until it holds still for one interval, so a
+                # write in progress is not read half-done.
+                pending = now
+            else:
+                self._seen, pending = now, None
+                await self.reload_async("file changed")
+
+    def _on_sighup(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.reload_async("SIGHUP"))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @contextlib.asynccontextmanager
+    async def watching(self, interval_s: float) -> AsyncIterator[None]:
+        """Poll the files every `interval_s` seconds (0: never) and reload on SIGHUP while the block runs."""
+        loop = asyncio.get_running_loop()
+        if interval_s > 0:
+            self._seen = self.signature()
+            poller = loop.create_task(self._poll(interval_s))
+            self._tasks.add(poller)
+        hup = False
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError, AttributeError):
+            # Only the main thread of a Unix process can take signals.
+            loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+            hup = True
+        try:
+            yield
+        finally:
+            if hup:
+                loop.remove_signal_handler(signal.SIGHUP)
+            for task in list(self._tasks):
+                task.cancel()

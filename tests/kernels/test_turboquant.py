@@ -1,0 +1,240 @@
+"""TurboQuant format tables: Lloyd-Max codebooks, rotation, slot layouts, MSE bound, PTX unpack programs.
+
+Pure torch (no kernels): fast on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpolicy.formats import get_format
+from kvpolicy.kernels.tq_reference import (
+    _pack_codes,
+    _unpack_codes,
+    dequantize_keys_ref,
+    emulate_ptx,
+    quantize_keys_ref,
+)
+from kvpolicy.kernels.turboquant import (
+    SUPPORTED_HEAD_DIMS,
+    TQ_FORMATS,
+    codebook_boundaries,
+    gaussian_mse,
+    hadamard_rotation,
+    k3_program,
+    k4_program,
+    lloyd_max_codebook,
+    render_ptx,
+    rotation_t_signs,
+    sign_magnitude_codebook,
+    sign_magnitude_codes,
+    sorted_index,
+    tq_layout,
+    turboquant_mse_bound,
+    v3_program,
+    v4_program,
+)
+
+# Max (1960), "Quantizing for minimum distortion", Table I: optimum N(0,1) quantizer
+# outputs (positive half) and mean squared error, printed to 4 significant digits.
+MAX_1960 = {
+    1: ([0.7980], 0.3634),
+    2: ([0.4528, 1.510], 0.1175),
+    3: ([0.2451, 0.7560, 1.344, 2.152], 0.03454),
+    4: ([0.1284, 0.3881, 0.6568, 0.9424, 1.256, 1.618, 2.069, 2.733], 0.009497),
+}
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_codebook_matches_max_1960(bits: int) -> None:
+    cb = lloyd_max_codebook(bits, 1)
+    want, mse = MAX_1960[bits]
+    # the table has 4 significant digits: 1e-3 absolute on values below 3
+    assert torch.allclose(cb[2 ** (bits - 1):], torch.tensor(want, dtype=torch.float64), atol=1e-3, rtol=0)
+    assert torch.allclose(cb, -cb.flip(0), atol=0, rtol=0), "codebook of a symmetric density must be odd"
+    # the 4-digit table's MSE is rounded; our quadrature of the same quantizer agrees to 5e-4 relative
+    assert gaussian_mse(cb, 1.0) == pytest.approx(mse, rel=5e-4)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codebook_satisfies_lloyd_max_conditions(bits: int) -> None:
+    """Each centroid is the conditional mean of its cell (closed form), thresholds are midpoints."""
+    cb = lloyd_max_codebook(bits, 1)
+    edges = torch.cat([torch.tensor([-math.inf]), codebook_boundaries(cb), torch.tensor([math.inf])])
+    pdf = torch.exp(-0.5 * edges.clamp(-40, 40) ** 2) / math.sqrt(2 * math.pi)
+    mass = torch.special.ndtr(edges[1:]) - torch.special.ndtr(edges[:-1])
+    cond_mean = (pdf[:-1] - pdf[1:]) / mass
+    # our codebook comes from Lloyd iterations on a trapezoid quadrature (grid step 6e-5):
+    # its fixed point is within 1e-7 of the exact one
+    assert torch.allclose(cb, cond_mean, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_codebook_is_a_local_minimum_of_mse(bits: int) -> None:
+    cb = lloyd_max_codebook(bits, 1)
+    best = gaussian_mse(cb, 1.0)
+    for i in range(len(cb)):
+        for eps in (-2e-3, 2e-3):
+            moved = cb.clone()
+            moved[i] += eps
+            # second-order growth ~ p_i * eps^2 ~ 1e-7 at least; quadrature noise is ~1e-12
+            assert gaussian_mse(moved, 1.0) > best + 1e-9
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_codebook_is_for_n_0_1_over_d(head_dim: int) -> None:
+    unit = lloyd_max_codebook(4, 1)
+    assert torch.allclose(lloyd_max_codebook(4, head_dim), unit / math.sqrt(head_dim), rtol=1e-15, atol=0)
+    sigma = 1 / math.sqrt(head_dim)
+    assert gaussian_mse(lloyd_max_codebook(4, head_dim), sigma) == pytest.approx(gaussian_mse(unit, 1.0) / head_dim, rel=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_hadamard_rotation_is_orthonormal(head_dim: int) -> None:
+    pi = hadamard_rotation(head_dim)
+    assert torch.allclose(pi @ pi.T, torch.eye(head_dim, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert torch.all(pi.abs() == 1 / math.sqrt(head_dim))
+    signs = rotation_t_signs(head_dim).double()
+    assert torch.equal(signs, pi.T * math.sqrt(head_dim))
+    assert not torch.equal(pi, pi.abs() * pi[0:1].sign()), "the random sign diagonal is missing"
+
+
+def test_slot_bytes_match_vllm_sizes() -> None:
+    expected_d128 = {"turboquant_k8v4": 196, "turboquant_4bit_nc": 134, "turboquant_k3v4_nc": 118, "turboquant_3bit_nc": 102}
+    for fmt in TQ_FORMATS:
+        assert tq_layout(fmt, 128).slot_bytes == expected_d128[fmt]
+        for d in SUPPORTED_HEAD_DIMS:
+            lay = tq_layout(fmt, d)
+            assert lay.slot_bytes == get_format(fmt).slot_bytes(d)
+            fields = [(lay.key_off, lay.key_bytes), (lay.val_off, lay.val_bytes), (lay.vscale_off, 2), (lay.vzero_off, 2)]
+            if not lay.key_fp8:
+                fields.append((lay.knorm_off, 2))
+            used = sorted(fields)
+            for (a, na), (b, _) in zip(used, used[1:]):
+                assert a + na <= b, f"{fmt} D={d}: fields overlap"
+            assert used[-1][0] + used[-1][1] <= lay.slot_bytes
+            assert all(off % 2 == 0 for off, n in fields if n == 2), "fp16 fields must be 2-byte aligned"
+    with pytest.raises(ValueError):
+        tq_layout("turboquant_4bit_nc", 96)
+    with pytest.raises(ValueError):
+        tq_layout("fp8", 128)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_sign_magnitude_codes_round_trip(bits: int) -> None:
+    idx = torch.arange(2**bits)
+    sm = sign_magnitude_codes(idx, bits)
+    assert sorted(sm.tolist()) == list(range(2**bits))
+    assert torch.equal(sorted_index(sm, bits), idx)
+    cb = lloyd_max_codebook(bits, 128)
+    assert torch.equal(sign_magnitude_codebook(bits, 128)[sm], cb)
+    half = 2 ** (bits - 1)
+    assert torch.all((sm >= half) == (cb < 0)), "the top code bit is the sign"
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_pack_unpack_round_trip(bits: int) -> None:
+    codes = torch.randint(0, 2**bits, (5, 3, 128))
+    packed = _pack_codes(codes, bits)
+    assert packed.shape[-1] == 128 * bits // 8 and packed.dtype == torch.uint8
+    assert torch.equal(_unpack_codes(packed, bits, 128), codes)
+
+
+def _unit_vectors(n: int, d: int, outliers: bool) -> torch.Tensor:
+    x = torch.randn(n, d, dtype=torch.float64)
+    if outliers:
+        # real keys: a few channels carry most of the energy
+        x[:, [3, 17, 64, 100]] *= 20.0
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_quantization_mse_within_turboquant_bound(bits: int, outliers: bool) -> None:
+    """E||u - u_hat||^2 for unit vectors, with and without norm correction, is under (sqrt(3) pi / 2) 4^-b."""
+    d, n = 128, 4096
+    u = _unit_vectors(n, d, outliers)
+    codes, stored = quantize_keys_ref(u, bits)
+    nc = dequantize_keys_ref(codes, stored.to(torch.float16).double(), bits)  # what the cache holds (nc folded)
+    plain = dequantize_keys_ref(codes, torch.ones(n, dtype=torch.float64), bits)  # centroids, no correction
+    bound = turboquant_mse_bound(bits)
+    lloyd = gaussian_mse(lloyd_max_codebook(bits, 1), 1.0)  # per-coordinate MSE of N(0,1) x d / d
+    for name, rec in (("nc", nc), ("plain", plain)):
+        mse = ((u - rec) ** 2).sum(dim=-1).mean().item()
+        # sampling error of the mean over 4096 vectors is ~1%; the bound has >= 10% margin (4-bit nc: 0.0092 vs 0.0106)
+        assert mse <= bound, f"{bits}-bit {name} outliers={outliers}: MSE {mse:.5f} > bound {bound:.5f}"
+        if not outliers:
+            # and it is the Lloyd-Max distortion, not just any small number: within 15% of d * (1/d) * mse_N(0,1)
+            assert mse == pytest.approx(lloyd, rel=0.15), f"{name}: {mse:.5f} vs Lloyd-Max {lloyd:.5f}"
+
+
+def _f16_lanes(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lo = word & 0xFFFF
+    hi = (word >> 16) & 0xFFFF
+    to_f16 = lambda x: torch.where(x >= 32768, x - 65536, x).to(torch.int16).view(torch.float16)  # noqa: E731
+    return to_f16(lo), to_f16(hi)
+
+
+def _outputs(regs: dict, num_outputs: int) -> list[torch.Tensor]:
+    """Per output tensor: fp16 [n, 4] elements in Triton's pack=4 order ($2k: elements 0,1; $2k+1: 2,3)."""
+    outs = []
+    for k in range(num_outputs):
+        e0, e1 = _f16_lanes(regs[f"${2 * k}"])
+        e2, e3 = _f16_lanes(regs[f"${2 * k + 1}"])
+        outs.append(torch.stack([e0, e1, e2, e3], dim=-1))
+    return outs
+
+
+def _bytes(word: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(word >> (8 * e)) & 0xFF for e in range(4)], dim=-1)
+
+
+N_WORDS = 50_000
+
+
+def test_k4_program_looks_up_sign_magnitude_centroids() -> None:
+    x = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    lo, hi = _outputs(emulate_ptx(k4_program(), {"$4": x}), 2)
+    cb = (sign_magnitude_codebook(4, 1)).to(torch.float16)
+    b = _bytes(x)
+    assert torch.equal(lo.view(torch.int16), cb[b & 15].view(torch.int16))
+    assert torch.equal(hi.view(torch.int16), cb[b >> 4].view(torch.int16))
+
+
+def test_k3_program_looks_up_sign_magnitude_centroids() -> None:
+    p2 = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    signs = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    outs = _outputs(emulate_ptx(k3_program(), {"$8": p2, "$9": signs}), 4)
+    cb = (sign_magnitude_codebook(3, 1)).to(torch.float16)
+    b2, bs = _bytes(p2), _bytes(signs)
+    for s in range(4):
+        code = ((b2 >> (2 * s)) & 3) | (((bs >> (2 * s)) & 1) << 2)
+        assert torch.equal(outs[s].view(torch.int16), cb[code].view(torch.int16)), f"quarter {s}"
+
+
+def test_v4_program_gives_offset_codes() -> None:
+    x = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    lo, hi = _outputs(emulate_ptx(v4_program(), {"$4": x}), 2)
+    b = _bytes(x)
+    assert torch.equal(lo.double(), 1024.0 + (b & 15).double())
+    assert torch.equal(hi.double(), 1024.0 + 16.0 * (b >> 4).double())
+
+
+def test_v3_program_gives_offset_codes() -> None:
+    p2 = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    high = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    outs = _outputs(emulate_ptx(v3_program(), {"$8": p2, "$9": high}), 4)
+    b2, bh = _bytes(p2), _bytes(high)
+    for s in range(4):
+        code = ((b2 >> (2 * s)) & 3) | (((bh >> (2 * s)) & 1) << 2)
+        assert torch.equal(outs[s].double(), 1024.0 + 4.0**s * code.double()), f"quarter {s}"
+
+
+def test_render_ptx_declares_temporaries() -> None:
+    text = render_ptx(k4_program())
+    assert text.startswith("{") and text.rstrip().endswith("}")
+    assert ".reg .b32" in text and "prmt.b32" in text and "lop3.b32" in text
+    assert text.count(";") == len(k4_program()) + 1

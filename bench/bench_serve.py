@@ -13,7 +13,7 @@ httpx.AsyncClient instead, for comparison.
     python bench/bench_serve.py                          # 1, 8, 32 clients x 2000 requests x 3 runs
     python bench/bench_serve.py --server-args "--http h11 --loop asyncio"
     python bench/bench_serve.py --requests 500 --client httpx
-    python bench/bench_serve.py --reload-churn           # rewrite the policy file during the run
+    python bench/bench_serve.py --reload-churn --server-args "--reload-interval 0.05"   # broken edits under load
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ def start_server(policy: str, log: Path, extra: list[str]) -> tuple[subprocess.P
         time.sleep(0.05)
 
 
+ANSWERS: dict[bytes, bytes] = {}
+"""The first answer to each request body: the same body must always get the same answer (the policy does not
+change during a run; --reload-churn only writes broken edits and the same good file back)."""
+
+
 async def raw_client(port: int, bodies: list[bytes], count: int, latencies: list[float], errors: list[str]) -> None:
     """One keep-alive connection sending `count` requests one after another."""
     reader, writer = await asyncio.open_connection(HOST, port)
@@ -85,6 +90,8 @@ async def raw_client(port: int, bodies: list[bytes], count: int, latencies: list
             latencies.append(time.perf_counter() - start)
             if b" 200 " not in status_line or not payload.startswith(b'{"schema_version":1'):
                 errors.append(status_line.decode(errors="replace").strip())
+            elif ANSWERS.setdefault(body, payload) != payload:
+                errors.append(f"answer changed for {body.decode()}")
     except (OSError, asyncio.IncompleteReadError) as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
@@ -105,8 +112,11 @@ async def httpx_client(port: int, bodies: list[bytes], count: int, latencies: li
                 errors.append(f"{type(exc).__name__}: {exc}")
                 continue
             latencies.append(time.perf_counter() - start)
+            body = bodies[i % len(bodies)]
             if r.status_code != 200:
                 errors.append(f"{r.status_code} {r.text[:200]}")
+            elif ANSWERS.setdefault(body, r.content) != r.content:
+                errors.append(f"answer changed for {body.decode()}")
 
 
 async def run_level(port: int, bodies: list[bytes], clients: int, total: int, kind: str) -> dict:
@@ -176,7 +186,8 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
         log = (workdir / "serve.log").read_text()
         shutil.rmtree(workdir, ignore_errors=True)
     if args.reload_churn:
-        print(f"server log: {log.count('rejected, still serving')} rejected reloads logged", file=sys.stderr)
+        print(f"server log: {log.count('rejected, still serving')} broken edits rejected, "
+              f"{log.count('now serving')} accepted", file=sys.stderr)
     return results
 
 
@@ -205,6 +216,8 @@ def main() -> int:
         for r in results:
             print(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['throughput_rps']:.0f} | "
                   f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['worst_p99_ms']:.2f} | {r['max_ms']:.2f} |")
+        if args.reload_churn:
+            print(f"policy file rewrites during the runs: {sum(r['policy_writes'] for r in results)}")
     return 1 if any(r["errors"] for r in results) else 0
 
 

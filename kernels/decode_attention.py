@@ -15,7 +15,7 @@ Two orientations of the same math (`DecodeConfig.swap_ab`):
   in-MMA accumulation keeps only about 14 mantissa bits. That is the form where
   the two-level toggle matters.
 
-FP8 caches: K is upcast to bf16 for Q.K^T, or the query is quantised to e4m3
+FP8 caches: K is upcast to fp16 for Q.K^T, or the query is quantised to e4m3
 per program (`fp8_query`) and the product runs in fp8. P.V always runs with P
 in e4m3 (scaled by `P_SCALE` first) against the stored V, as FA3 does.
 Scales fold into the math: k_scale (and the query's scale) into the logit
@@ -56,19 +56,30 @@ class DecodeConfig:
     """Split-KV target: choose splits so that about this many programs run per SM."""
     min_tokens_per_split: int = 512
     """Never split a sequence into pieces shorter than this."""
+    num_sub: int = 1
+    """K/V tiles of `block_n` loaded together per loop iteration (1 or 2): more bytes in flight per program."""
+    maxnreg: int | None = None
+    """Register cap per thread (more resident programs per SM, at the price of spills); None: the compiler's choice."""
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def default_config(head_dim: int, kv_fp8: bool, device: torch.device) -> DecodeConfig:
-    """Configuration for a head_dim and cache format: tuned on an H200, large tiles under the interpreter."""
+def default_config(head_dim: int, kv_fp8: bool, device: torch.device, fp8_query: bool = False) -> DecodeConfig:
+    """Configuration for a head_dim and cache format: tuned on an H200 (bench/NOTES.md), large tiles under the interpreter."""
     if device.type != "cuda" or _interpreting():
         # The interpreter runs programs one after another in numpy: few, large tiles.
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, swap_ab=False, programs_per_sm=1.0, min_tokens_per_split=128)
-    num_stages = 2 if head_dim >= 256 else 3
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=num_stages, swap_ab=True, programs_per_sm=2.0)
+    # Triton gives each K/V load one buffer here, so a program has one tile in
+    # flight: keep the tile at 16K elements (32 KB of BF16 K+V per 64 dims) for
+    # every head_dim, which is what reached the memory floor at head_dim 128.
+    block_n = max(32, min(256, 16384 // head_dim))
+    if kv_fp8:
+        # FP8 is instruction-bound (NOTES.md v2): more, shorter programs balance better.
+        return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=8.0,
+                            maxnreg=168 if fp8_query else None)
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=2.0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,8 +91,86 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: D
     """Splits per sequence: enough programs to fill the GPU, none shorter than `min_tokens_per_split`."""
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
     want = -(-int(config.programs_per_sm * num_sms) // (batch * num_kv_heads))
-    cap = max(1, -(-max_context // max(config.min_tokens_per_split, config.block_n)))
+    cap = max(1, -(-max_context // max(config.min_tokens_per_split, config.block_n * config.num_sub)))
     return max(1, min(want, cap, 128))
+
+
+@triton.jit
+def _load_tile(k_base, v_base, bt_row, offs_n, seq_len, start, offs_d,
+               stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE: tl.constexpr):
+    """K and V rows [BLOCK_N, HEAD_DIM] of positions `offs_n` through the block table; masked rows read nothing."""
+    in_seq = offs_n < seq_len
+    valid = in_seq & (offs_n >= start)
+    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+    in_page = offs_n % PAGE_SIZE
+    k = tl.load(k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+    v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+    return k, v, valid
+
+
+@triton.jit
+def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
+                 KV_FP8: tl.constexpr, FP8_QUERY: tl.constexpr, SWAP_AB: tl.constexpr,
+                 TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr):
+    """One online-softmax step over a K/V tile: returns the updated (running max, denominator, accumulator)."""
+    if KV_FP8:
+        k = k.to(tl.float8e4nv, bitcast=True)
+        v = v.to(tl.float8e4nv, bitcast=True)
+        if not FP8_QUERY:
+            k = k.to(tl.float16)
+    if INTERPRET:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    if SWAP_AB:
+        s = tl.dot(k, q_op)  # [BLOCK_N, BLOCK_H]
+        s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+    else:
+        s = tl.dot(q_op, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A sub-tile can be wholly masked (window start, sequence end) before any
+    # position was seen: keep exp2 away from (-inf) - (-inf).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    if SWAP_AB:
+        p = tl.exp2(s - m_ref[None, :])
+        acc = acc * alpha[None, :]
+    else:
+        p = tl.exp2(s - m_ref[:, None])
+        acc = acc * alpha[:, None]
+
+    if KV_FP8:
+        if INTERPRET:
+            # The interpreter's fp32 -> fp8 cast truncates; round exactly as the GPU does.
+            p_op = fp8_e4m3_bits(p * P_SCALE).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            p_op = (p * P_SCALE).to(tl.float8e4nv)
+        # The denominator sums the rounded weights the MMA multiplies (in
+        # P_SCALE units), so e4m3's rounding, and its flush of the tiny weights
+        # of a long tail, cancels between numerator and denominator instead of
+        # shrinking the output.
+        p_w = p_op.to(tl.float32)
+    else:
+        if INTERPRET:
+            p_op = p  # fp32 dot: keeps the CPU check tight; the GPU rounds P to bf16
+        else:
+            p_op = p.to(v.dtype)
+        p_w = p
+    if SWAP_AB:
+        l_i = l_i * alpha + tl.sum(p_w, 0)
+        if TWO_LEVEL:
+            acc += tl.dot(tl.trans(v), p_op)
+        else:
+            acc = tl.dot(tl.trans(v), p_op, acc)
+    else:
+        l_i = l_i * alpha + tl.sum(p_w, 1)
+        if TWO_LEVEL:
+            acc += tl.dot(p_op, v)
+        else:
+            acc = tl.dot(p_op, v, acc)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -103,6 +192,7 @@ def _decode_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_SUB: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     # features
     KV_FP8: tl.constexpr,
@@ -127,8 +217,9 @@ def _decode_attention_kernel(
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    first_tile = start // BLOCK_N
-    end_tile = (seq_len + BLOCK_N - 1) // BLOCK_N
+    TILE = BLOCK_N * NUM_SUB
+    first_tile = start // TILE
+    end_tile = (seq_len + TILE - 1) // TILE
     # (tl.cdiv is not callable under the interpreter in Triton 3.9)
     tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
     tile_lo = first_tile + split * tiles_per_split
@@ -150,6 +241,10 @@ def _decode_attention_kernel(
         q_scale = tl.maximum(tl.max(tl.max(tl.abs(q), 1), 0) / 448.0, 1e-30)
         q_op = fp8_e4m3_bits(tl.math.div_rn(q, q_scale)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
         qk_scale *= q_scale
+    elif KV_FP8:
+        # e4m3 K converts to fp16 in one instruction (to bf16 in two), and fp16
+        # holds every e4m3 value; the query saturates at fp16's range.
+        q_op = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
     else:
         q_op = q.to(tl.bfloat16)
     if INTERPRET:
@@ -168,75 +263,21 @@ def _decode_attention_kernel(
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
     for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_seq = offs_n < seq_len
-        valid = in_seq & (offs_n >= start)
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        k = tl.load(
-            k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0
-        )
-        v = tl.load(
-            v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0
-        )
-        if KV_FP8:
-            k = k.to(tl.float8e4nv, bitcast=True)
-            v = v.to(tl.float8e4nv, bitcast=True)
-            if not FP8_QUERY:
-                k = k.to(tl.bfloat16)
-        if INTERPRET:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        if SWAP_AB:
-            s = tl.dot(k, q_op)  # [BLOCK_N, BLOCK_H]
-            s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
-            # Every tile holds at least one attended position, so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            acc = acc * alpha[None, :]
-        else:
-            s = tl.dot(q_op, tl.trans(k))  # [BLOCK_H, BLOCK_N]
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            acc = acc * alpha[:, None]
-        m_i = m_new
-
-        if KV_FP8:
-            if INTERPRET:
-                # The interpreter's fp32 -> fp8 cast truncates; round exactly as the GPU does.
-                p_op = fp8_e4m3_bits(p * P_SCALE).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                p_op = (p * P_SCALE).to(tl.float8e4nv)
-            # The denominator sums the rounded weights the MMA multiplies (in
-            # P_SCALE units), so e4m3's rounding, and its flush of the tiny
-            # weights of a long tail, cancels between numerator and denominator
-            # instead of shrinking the output.
-            p_w = p_op.to(tl.float32)
-        else:
-            if INTERPRET:
-                p_op = p  # fp32 dot: keeps the CPU check tight; the GPU rounds P to bf16
-            else:
-                p_op = p.to(v.dtype)
-            p_w = p
-        if SWAP_AB:
-            l_i = l_i * alpha + tl.sum(p_w, 0)
-        else:
-            l_i = l_i * alpha + tl.sum(p_w, 1)
-
-        if SWAP_AB:
-            if TWO_LEVEL:
-                acc += tl.dot(tl.trans(v), p_op)
-            else:
-                acc = tl.dot(tl.trans(v), p_op, acc)
-        else:
-            if TWO_LEVEL:
-                acc += tl.dot(p_op, v)
-            else:
-                acc = tl.dot(p_op, v, acc)
+        # All loads of the iteration come first, so the pipeliner has every
+        # sub-tile in flight while the previous iteration computes: Triton keeps
+        # one buffer per load here, and a second sub-tile doubles the bytes in
+        # flight without growing the registers one dot needs.
+        offs_n = tile * TILE + tl.arange(0, BLOCK_N)
+        k0, v0, valid0 = _load_tile(k_base, v_base, bt_row, offs_n, seq_len, start, offs_d,
+                                    stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
+        if NUM_SUB == 2:
+            k1, v1, valid1 = _load_tile(k_base, v_base, bt_row, offs_n + BLOCK_N, seq_len, start, offs_d,
+                                        stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
+        m_i, l_i, acc = _attend_tile(k0, v0, valid0, q_op, qk_scale, m_i, l_i, acc,
+                                     KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
+        if NUM_SUB == 2:
+            m_i, l_i, acc = _attend_tile(k1, v1, valid1, q_op, qk_scale, m_i, l_i, acc,
+                                         KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
 
     out_scale = 1.0
     if KV_FP8:
@@ -408,12 +449,18 @@ def decode_attention(
     if batch == 0:
         return out
 
-    cfg = config or default_config(head_dim, kv_fp8, device)
+    cfg = config or default_config(head_dim, kv_fp8, device, fp8_query)
     if cfg.swap_ab and cfg.block_n % 64:
         raise ValueError(f"swap_ab needs block_n a multiple of 64, got {cfg.block_n}")
+    if cfg.swap_ab and cfg.num_stages < 2 and device.type == "cuda":
+        # Seen on an H200 with Triton 3.6: the swapped (wgmma) form with one
+        # stage gave wrong results (relative error ~0.5); two or more matched.
+        raise ValueError("swap_ab needs num_stages >= 2")
+    if cfg.num_sub not in (1, 2):
+        raise ValueError(f"num_sub must be 1 or 2, got {cfg.num_sub}")
     max_context = block_tables.shape[1] * page_size
     if sliding_window is not None:
-        max_context = min(max_context, sliding_window + cfg.block_n)
+        max_context = min(max_context, sliding_window + cfg.block_n * cfg.num_sub)
     splits = num_splits if num_splits is not None else choose_num_splits(batch, num_kv_heads, max_context, cfg, device)
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
@@ -442,6 +489,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n,
+        NUM_SUB=cfg.num_sub,
         PAGE_SIZE=page_size,
         KV_FP8=kv_fp8,
         FP8_QUERY=fp8_query,
@@ -457,6 +505,7 @@ def decode_attention(
         INTERPRET=_interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if is_split:
         _decode_merge_kernel[(num_q_heads, batch)](

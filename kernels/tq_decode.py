@@ -13,7 +13,7 @@ context. Per tile of BLOCK_N tokens it loads only the packed bytes:
   dot(p * scale, codes) + sum_j p_j zero_j, so the scale folds into P (one
   multiply per score) and the zero point into a per-row scalar.
 
-Nothing dequantized is ever written to memory. With NUM_SPLITS > 1 each
+Nothing dequantized is ever written to memory. With several splits each
 program writes a normalised partial output and its base-2 log-sum-exp, and
 `_tq_merge_kernel` combines them (and the sinks).
 """
@@ -38,6 +38,27 @@ from kvpolicy.kernels.turboquant import (
 )
 
 LOG2E = 1.4426950408889634
+
+
+# Reductions: tl.reduce with Triton's own combine functions (the interpreter maps exactly these
+# to numpy). tl.sum, tl.max, tl.zeros, tl.cdiv... are jit functions decorated when triton is
+# imported, and the interpreter rejects them when TRITON_INTERPRET was set only after that
+# import (as tests/kernels/conftest.py does); the kernels here use only builtins and these.
+
+
+@triton.jit
+def _rsum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _rmax(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _rmin(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_min)
 
 
 _K4_ASM = tl.constexpr(render_ptx(k4_program()))
@@ -71,35 +92,38 @@ def _keys3(p2, p1s, cb_ptr, ASM: tl.constexpr):
 
 @triton.jit
 def _values4(vb, ASM: tl.constexpr):
-    """4-bit value bytes -> (1024 + low nibble, 1024 + 16 * high nibble), exact fp16."""
+    """4-bit value bytes -> (low nibble, 16 * high nibble), exact fp16."""
     if ASM:
         return tl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r", [vb], dtype=(tl.float16, tl.float16),
                                          is_pure=True, pack=4)
-    return ((vb & 15).to(tl.float32) + 1024.0).to(tl.float16), ((vb & 0xF0).to(tl.float32) + 1024.0).to(tl.float16)
+    return (vb & 15).to(tl.float16), (vb & 0xF0).to(tl.float16)
 
 
 @triton.jit
 def _values3(p2, p1s, ASM: tl.constexpr):
-    """3-bit value codes -> quarter s as 1024 + 4^s * code, exact fp16."""
+    """3-bit value codes -> quarter s as 4^s * code, exact fp16."""
     if ASM:
         return tl.inline_asm_elementwise(_V3_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [p2, p1s],
                                          dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                          is_pure=True, pack=4)
     a = p2.to(tl.int32)
     c = p1s.to(tl.int32) << 2
-    v0 = ((a & 0x03) | (c & 0x04)).to(tl.float32) + 1024.0
-    v1 = ((a & 0x0C) | (c & 0x10)).to(tl.float32) + 1024.0
-    v2 = ((a & 0x30) | (c & 0x40)).to(tl.float32) + 1024.0
-    v3 = ((a & 0xC0) | (c & 0x100)).to(tl.float32) + 1024.0
+    v0 = ((a & 0x03) | (c & 0x04)).to(tl.float32)
+    v1 = ((a & 0x0C) | (c & 0x10)).to(tl.float32)
+    v2 = ((a & 0x30) | (c & 0x40)).to(tl.float32)
+    v3 = ((a & 0xC0) | (c & 0x100)).to(tl.float32)
     return v0.to(tl.float16), v1.to(tl.float16), v2.to(tl.float16), v3.to(tl.float16)
 
 
 @triton.jit
-def _tile_pages(bt_row, n0, max_pages, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
+def _tile_pages(bt_row, n0, seq_len, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
                 PPT: tl.constexpr):
-    """Physical page of each SUB-row chunk of the tile starting at token n0 (page 0 past the table's end)."""
-    c_page = (n0 + tl.arange(0, PPT) * SUB) // PAGE
-    return tl.load(bt_row + c_page, mask=c_page < max_pages, other=0)
+    """Physical page of each SUB-row chunk of the tile starting at token n0.
+
+    Chunks past the sequence read page 0: table entries there may be anything (the prefetch asks
+    for one tile past the end), and the rows are masked out of the scores anyway."""
+    c_tok = n0 + tl.arange(0, PPT) * SUB
+    return tl.load(bt_row + c_tok // PAGE, mask=c_tok < seq_len, other=0)
 
 
 @triton.jit
@@ -138,7 +162,7 @@ def _load_tile(cache_u8_ptr, cache_f16_ptr, pages, n0, kvh, start, hi,
     vx = va
     if V_BITS == 3:
         vx = tl.reshape(tl.load(row3 + V_OFF + VC + (cols_v % E)[None, None, :]), [BLOCK_N, VC])
-    knorm = tl.zeros([BLOCK_N], dtype=tl.float16)
+    knorm = tl.full([BLOCK_N], 0, dtype=tl.float16)
     if KEY_BITS != 8:
         knorm = tl.load(cache_f16_ptr + row16 + KNORM_OFF // 2)
     vscale = tl.load(cache_f16_ptr + row16 + VSCALE_OFF // 2, mask=n_mask, other=0.0)
@@ -152,7 +176,7 @@ def _tq_decode_kernel(
     q_ptr, cache_u8_ptr, cache_f16_ptr, block_tables_ptr, seq_lens_ptr,
     rot_ptr, cb_ptr, sinks_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     # scalars
-    q_scale, rot_scale, window, max_pages,
+    q_scale, rot_scale, window, num_splits,
     # strides (elements)
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     # geometry and layout (the cache is contiguous: its strides are constants)
@@ -160,7 +184,7 @@ def _tq_decode_kernel(
     PAGE: tl.constexpr, KEY_BITS: tl.constexpr, V_BITS: tl.constexpr,
     V_OFF: tl.constexpr, KNORM_OFF: tl.constexpr, VSCALE_OFF: tl.constexpr, VZERO_OFF: tl.constexpr,
     # tiling and options
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     SUB: tl.constexpr = BLOCK_N if BLOCK_N < PAGE else PAGE  # rows of one page inside a tile
@@ -177,7 +201,7 @@ def _tq_decode_kernel(
         start = tl.maximum(seq_len - window, 0)
     # tiles are aligned to BLOCK_N so that a tile's rows sit in whole sub-pages
     first = (start // BLOCK_N) * BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = ((seq_len - first + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = first + pid_s * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -216,13 +240,12 @@ def _tq_decode_kernel(
             q3 = (tl.dot(q16, r3) * rot_scale).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    z_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j p_j * zero_j
-    w_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j fp16(p_j * scale_j): the 1024 offset's weight
-    acc0 = tl.zeros([BLOCK_M, VC], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, VC], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, VC], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_M, VC], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
+    z_i = tl.full([BLOCK_M], 0, dtype=tl.float32)  # sum_j p_j * zero_j
+    acc0 = tl.full([BLOCK_M, VC], 0, dtype=tl.float32)
+    acc1 = tl.full([BLOCK_M, VC], 0, dtype=tl.float32)
+    acc2 = tl.full([BLOCK_M, VC], 0, dtype=tl.float32)
+    acc3 = tl.full([BLOCK_M, VC], 0, dtype=tl.float32)
     # 3-bit: column j of a quarter reads 1-bit-plane byte j mod E at bit 2s + j // E
     hsh_k = (cols_k // E).to(tl.uint8)
     hsh_v = (cols_v // E).to(tl.uint8)
@@ -230,8 +253,8 @@ def _tq_decode_kernel(
 
     # software pipeline: the bytes of tile i+1 are in flight while tile i is computed, and the
     # page ids of tile i+2 (the loads the byte addresses depend on) one step earlier still
-    pages = _tile_pages(bt_row, lo, max_pages, PAGE, BLOCK_N, SUB, PPT)
-    pages_next = _tile_pages(bt_row, lo + BLOCK_N, max_pages, PAGE, BLOCK_N, SUB, PPT)
+    pages = _tile_pages(bt_row, lo, seq_len, PAGE, BLOCK_N, SUB, PPT)
+    pages_next = _tile_pages(bt_row, lo + BLOCK_N, seq_len, PAGE, BLOCK_N, SUB, PPT)
     ka, kx, va, vx, knorm, vscale, vzero = _load_tile(
         cache_u8_ptr, cache_f16_ptr, pages, lo, kvh, start, hi, SLOT, NUM_KV, PAGE, HEAD_DIM, KEY_BITS, V_BITS,
         V_OFF, KNORM_OFF, VSCALE_OFF, VZERO_OFF, BLOCK_N, SUB, PPT)
@@ -240,7 +263,7 @@ def _tq_decode_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = (offs_n < hi) & (offs_n >= start)
         if PREFETCH:
-            pages_next2 = _tile_pages(bt_row, n0 + 2 * BLOCK_N, max_pages, PAGE, BLOCK_N, SUB, PPT)
+            pages_next2 = _tile_pages(bt_row, n0 + 2 * BLOCK_N, seq_len, PAGE, BLOCK_N, SUB, PPT)
             nka, nkx, nva, nvx, nknorm, nvscale, nvzero = _load_tile(
                 cache_u8_ptr, cache_f16_ptr, pages_next, n0 + BLOCK_N, kvh, start, hi, SLOT, NUM_KV, PAGE,
                 HEAD_DIM, KEY_BITS, V_BITS, V_OFF, KNORM_OFF, VSCALE_OFF, VZERO_OFF, BLOCK_N, SUB, PPT)
@@ -264,13 +287,12 @@ def _tq_decode_kernel(
         s = tl.where(n_mask[None, :], s, float("-inf"))  # also drops NaN from stale slots
 
         # ---- online softmax ----
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, _rmax(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        z_i = z_i * alpha + tl.sum(p * vzero.to(tl.float32)[None, :], axis=1)
+        l_i = l_i * alpha + _rsum(p, axis=1)
+        z_i = z_i * alpha + _rsum(p * vzero.to(tl.float32)[None, :], axis=1)
         pv = (p * vscale.to(tl.float32)[None, :]).to(tl.float16)
-        w_i = w_i * alpha + tl.sum(pv.to(tl.float32), axis=1)
         m_i = m_new
 
         # ---- P @ codes: values are never dequantized, scale and zero were folded above ----
@@ -289,12 +311,13 @@ def _tq_decode_kernel(
             ka, kx, va, vx, knorm, vscale, vzero = nka, nkx, nva, nvx, nknorm, nvscale, nvzero
             pages_next = pages_next2
         else:
-            pages_next = _tile_pages(bt_row, n0 + 2 * BLOCK_N, max_pages, PAGE, BLOCK_N, SUB, PPT)
+            # loads for the next tile issued after this tile's math: fewer live registers
             ka, kx, va, vx, knorm, vscale, vzero = _load_tile(
                 cache_u8_ptr, cache_f16_ptr, pages_next, n0 + BLOCK_N, kvh, start, hi, SLOT, NUM_KV, PAGE,
                 HEAD_DIM, KEY_BITS, V_BITS, V_OFF, KNORM_OFF, VSCALE_OFF, VZERO_OFF, BLOCK_N, SUB, PPT)
+            pages_next = _tile_pages(bt_row, n0 + 2 * BLOCK_N, seq_len, PAGE, BLOCK_N, SUB, PPT)
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         den = l_i
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + qh, mask=m_mask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -307,22 +330,21 @@ def _tq_decode_kernel(
         inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         row_bh = b * (NUM_KV * GROUP) + qh
-        tl.store(part_lse_ptr + row_bh * NUM_SPLITS + pid_s, lse, mask=m_mask)
-        o_base = part_o_ptr + (row_bh[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM
+        tl.store(part_lse_ptr + row_bh * num_splits + pid_s, lse, mask=m_mask)
+        o_base = part_o_ptr + (row_bh[:, None] * num_splits + pid_s) * HEAD_DIM
         o_ty = tl.float32
-    # out = (acc - 1024 * w) / f + z, with f the power of two of each chunk's code position
-    off = 1024.0 * w_i[:, None]
+    # out = acc / f + z, with f the power of two at which each chunk's codes sit in their byte
     zc = z_i[:, None]
     w = inv[:, None]
     if V_BITS == 4:
-        tl.store(o_base + cols_v[None, :], ((acc0 - off + zc) * w).to(o_ty), mask=m_mask[:, None])
-        tl.store(o_base + (VC + cols_v)[None, :], (((acc1 - off) * 0.0625 + zc) * w).to(o_ty), mask=m_mask[:, None])
+        tl.store(o_base + cols_v[None, :], ((acc0 + zc) * w).to(o_ty), mask=m_mask[:, None])
+        tl.store(o_base + (VC + cols_v)[None, :], ((acc1 * 0.0625 + zc) * w).to(o_ty), mask=m_mask[:, None])
     else:
-        tl.store(o_base + cols_v[None, :], ((acc0 - off + zc) * w).to(o_ty), mask=m_mask[:, None])
-        tl.store(o_base + (VC + cols_v)[None, :], (((acc1 - off) * 0.25 + zc) * w).to(o_ty), mask=m_mask[:, None])
-        tl.store(o_base + (2 * VC + cols_v)[None, :], (((acc2 - off) * 0.0625 + zc) * w).to(o_ty),
+        tl.store(o_base + cols_v[None, :], ((acc0 + zc) * w).to(o_ty), mask=m_mask[:, None])
+        tl.store(o_base + (VC + cols_v)[None, :], ((acc1 * 0.25 + zc) * w).to(o_ty), mask=m_mask[:, None])
+        tl.store(o_base + (2 * VC + cols_v)[None, :], ((acc2 * 0.0625 + zc) * w).to(o_ty),
                  mask=m_mask[:, None])
-        tl.store(o_base + (3 * VC + cols_v)[None, :], (((acc3 - off) * 0.015625 + zc) * w).to(o_ty),
+        tl.store(o_base + (3 * VC + cols_v)[None, :], ((acc3 * 0.015625 + zc) * w).to(o_ty),
                  mask=m_mask[:, None])
 
 
@@ -330,44 +352,59 @@ def _tq_decode_kernel(
 def _tq_merge_kernel(
     part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr,
     stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    num_splits, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // NUM_HEADS
     h = pid % NUM_HEADS
     offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + pid * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, axis=0)
+    s_mask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + pid * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    m = _rmax(lse, axis=0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink)
     w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
     cols = tl.arange(0, HEAD_DIM)
-    o = tl.load(part_o_ptr + (pid * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + cols[None, :],
+    o = tl.load(part_o_ptr + (pid * num_splits + offs_s)[:, None] * HEAD_DIM + cols[None, :],
                 mask=s_mask[:, None], other=0.0)
-    num = tl.sum(w[:, None] * o, axis=0)
-    den = tl.sum(w, axis=0)
+    num = _rsum(w[:, None] * o, axis=0)
+    den = _rsum(w, axis=0)
     if HAS_SINKS:
         den += tl.exp2(sink - m)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, (num / den).to(out_ptr.dtype.element_ty))
 
 
+DEFAULT_TILING: dict[int, tuple[int, int, bool]] = {
+    8: (128, 4, True),  # k8v4: (block_n, num_warps, prefetch)
+    4: (128, 4, False),
+    3: (128, 4, False),
+}
+"""Per key-bit width: the tiling that won (or tied within 2%) most of the (format, context) cases of
+the in-run tuning on an H200 (bench_decode, batch 8, 4k-128k; NOTES_TQ.md). The register prefetch of
+the next tile pays for FP8 keys but costs the centroid formats more in occupancy than it wins."""
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
-    """Splits so that about four programs per SM are in flight, each with at least two tiles of work."""
+    """Splits so that 8 (16 past 64k tokens) programs per SM are in flight, each with >= 2 tiles of work.
+
+    On an H200, batch 8: 17 splits beat 34 by 3-10% at 4k-16k, 34 beat 17 by 5-7% at 128k; both
+    beat the 9 of a 4-programs-per-SM target by 12-15%: more programs hide the unpack chain's latency."""
     if device.type != "cuda":
         return 1 if max_context <= 4 * block_n else 2
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(4 * num_sms, batch * num_kv_heads)
+    per_sm = 16 if max_context >= 65536 else 8
+    want = triton.cdiv(per_sm * num_sms, batch * num_kv_heads)
     return max(1, min(want, triton.cdiv(max_context, 2 * block_n), 64))
 
 
 def decode_attention_tq(
     query: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, fmt: str,
     *, sm_scale: float | None = None, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
-    num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-    use_asm: bool | None = None, prefetch: bool = True, out: torch.Tensor | None = None,
+    num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int = 2, use_asm: bool | None = None, prefetch: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of `query` [B, Hq, D] over a packed TurboQuant cache; returns [B, Hq, D] in query's dtype.
 
@@ -398,6 +435,10 @@ def decode_attention_tq(
         raise ValueError(f"sinks must be [{hq}]; got {tuple(sinks.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    tiling = DEFAULT_TILING[lay.key_bits]
+    block_n = tiling[0] if block_n is None else block_n
+    num_warps = tiling[1] if num_warps is None else num_warps
+    prefetch = tiling[2] if prefetch is None else prefetch
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group = hq // hkv
@@ -421,20 +462,20 @@ def decode_attention_tq(
     _tq_decode_kernel[(bsz * hkv, num_splits)](
         query, cache, cache.view(torch.float16), block_tables, seq_lens,
         tabs["rot_t_sign_f16"], tabs["codebook_sm_unit_f16"], sinks_arg, out, part_o, part_lse,
-        scale * LOG2E, 1.0 / d, sliding_window or 0, block_tables.shape[1],
+        scale * LOG2E, 1.0 / d, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_KV=hkv, GROUP=group, HEAD_DIM=d, SLOT=lay.slot_bytes, PAGE=page,
         KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0),
         VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SPLIT=num_splits > 1,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, ASM=use_asm, PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _tq_merge_kernel[(bsz * hq,)](
             part_o, part_lse, sinks_arg, out, out.stride(0), out.stride(1),
-            NUM_HEADS=hq, HEAD_DIM=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_splits, NUM_HEADS=hq, HEAD_DIM=d, BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
             HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out

@@ -244,6 +244,19 @@ def _lop3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, lut: int) -> torch.
     return d & 0xFFFFFFFF
 
 
+def _f16_of(lane: torch.Tensor) -> torch.Tensor:
+    return torch.where(lane >= 32768, lane - 65536, lane).to(torch.int16).view(torch.float16)
+
+
+def _hsub2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sub.f16x2 (round to nearest even per 16-bit lane)."""
+    out = torch.zeros_like(a)
+    for sh in (0, 16):
+        d = _f16_of((a >> sh) & 0xFFFF).float() - _f16_of((b >> sh) & 0xFFFF).float()
+        out |= (d.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF) << sh
+    return out
+
+
 def emulate_ptx(prog: list, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Run a register program (see `turboquant.render_ptx`) on int64 tensors holding 32-bit words."""
     regs = {k: v.to(torch.int64) & 0xFFFFFFFF for k, v in inputs.items()}
@@ -266,6 +279,10 @@ def emulate_ptx(prog: list, inputs: dict[str, torch.Tensor]) -> dict[str, torch.
             r = _lop3(a, val(src[1]), val(src[2]), src[3])
         elif op == "mad":
             r = (a * val(src[1]) + val(src[2])) & 0xFFFFFFFF
+        elif op == "mov":
+            r = a
+        elif op == "hsub2":
+            r = _hsub2(a, val(src[1]))
         else:
             raise ValueError(f"unknown op {op}")
         regs[dst] = r

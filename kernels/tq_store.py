@@ -16,6 +16,27 @@ import triton.language as tl
 from kvpolicy.kernels.turboquant import FP8_E4M3_MAX, kernel_tables, tq_layout
 
 
+# Reductions: tl.reduce with Triton's own combine functions (the interpreter maps exactly these
+# to numpy). tl.sum, tl.max, tl.zeros, tl.cdiv... are jit functions decorated when triton is
+# imported, and the interpreter rejects them when TRITON_INTERPRET was set only after that
+# import (as tests/kernels/conftest.py does); the kernels here use only builtins and these.
+
+
+@triton.jit
+def _rsum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _rmax(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _rmin(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_min)
+
+
 @triton.jit
 def _store_kv_tq_kernel(
     # tensors
@@ -53,21 +74,21 @@ def _store_kv_tq_kernel(
         C: tl.constexpr = HEAD_DIM // NCH
         E: tl.constexpr = HEAD_DIM // 8
         HALF: tl.constexpr = 2 ** (KEY_BITS - 1)
-        knorm = tl.sqrt(tl.sum(k * k, axis=1))
+        knorm = tl.sqrt(_rsum(k * k, axis=1))
         inv = tl.where(knorm > 0, 1.0 / tl.where(knorm > 0, knorm, 1.0), 0.0)
         cols_c = tl.arange(0, C)
-        csq = tl.zeros([BLOCK_T], dtype=tl.float32)
-        packed = tl.zeros([BLOCK_T, C], dtype=tl.int32)  # 4-bit codes, or the 2-bit plane
-        plane1 = tl.zeros([BLOCK_T, E], dtype=tl.int32)
+        csq = tl.full([BLOCK_T], 0, dtype=tl.float32)
+        packed = tl.full([BLOCK_T, C], 0, dtype=tl.int32)  # 4-bit codes, or the 2-bit plane
+        plane1 = tl.full([BLOCK_T, E], 0, dtype=tl.int32)
         for c in tl.static_range(NCH):
             r = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + (c * C + cols_c)[None, :])
             # ieee: tf32 would move coordinates by ~1e-3 and flip codes near thresholds
             u = tl.dot(k, r, input_precision="ieee") * inv[:, None]
-            idx = tl.zeros([BLOCK_T, C], dtype=tl.int32)
+            idx = tl.full([BLOCK_T, C], 0, dtype=tl.int32)
             for lvl in tl.static_range(2**KEY_BITS - 1):
                 idx += (u > tl.load(bnd_ptr + lvl)).to(tl.int32)
             cval = tl.load(cb_ptr + idx)
-            csq += tl.sum(cval * cval, axis=1)
+            csq += _rsum(cval * cval, axis=1)
             # sign-magnitude code: the decoder's register table holds only the positive half
             idx = tl.where(idx >= HALF, idx - HALF, (HALF - 1 - idx) | HALF)
             if KEY_BITS == 4:
@@ -77,7 +98,7 @@ def _store_kv_tq_kernel(
                 # quarter c holds coordinates c*D/4 + j; its two halves are bits 2c and 2c+1 of plane byte j mod D/8
                 hb = tl.reshape((idx >> 2) & 1, [BLOCK_T, 2, E])
                 half = tl.arange(0, 2)
-                plane1 = plane1 | tl.sum(hb << (half[None, :, None] + 2 * c), axis=1)
+                plane1 = plane1 | _rsum(hb << (half[None, :, None] + 2 * c), axis=1)
         tl.store(cache_u8_ptr + row[:, None] + cols_c[None, :], packed.to(tl.uint8), mask=valid[:, None])
         if KEY_BITS == 3:
             cols_e = tl.arange(0, E)
@@ -88,8 +109,8 @@ def _store_kv_tq_kernel(
     # ---- values ----
     LEVELS: tl.constexpr = 2**V_BITS - 1
     v = tl.load(v_row + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    vmin = tl.min(v, axis=1)
-    vmax = tl.max(v, axis=1)
+    vmin = _rmin(v, axis=1)
+    vmax = _rmax(v, axis=1)
     # code against the fp16-rounded scale and zero, the numbers the decoder will read
     scale = ((vmax - vmin) / LEVELS).to(tl.float16).to(tl.float32)
     zero = vmin.to(tl.float16).to(tl.float32)
@@ -98,8 +119,8 @@ def _store_kv_tq_kernel(
     VC: tl.constexpr = HEAD_DIM // VNCH
     VE: tl.constexpr = HEAD_DIM // 8
     cols_v = tl.arange(0, VC)
-    vpacked = tl.zeros([BLOCK_T, VC], dtype=tl.int32)
-    vplane1 = tl.zeros([BLOCK_T, VE], dtype=tl.int32)
+    vpacked = tl.full([BLOCK_T, VC], 0, dtype=tl.int32)
+    vplane1 = tl.full([BLOCK_T, VE], 0, dtype=tl.int32)
     for c in tl.static_range(VNCH):
         vc = tl.load(v_row + (c * VC + cols_v)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         code = tl.floor((vc - zero[:, None]) / safe[:, None] + 0.5)
@@ -111,7 +132,7 @@ def _store_kv_tq_kernel(
             vpacked = vpacked | ((code & 3) << (2 * c))
             hb = tl.reshape((code >> 2) & 1, [BLOCK_T, 2, VE])
             half = tl.arange(0, 2)
-            vplane1 = vplane1 | tl.sum(hb << (half[None, :, None] + 2 * c), axis=1)
+            vplane1 = vplane1 | _rsum(hb << (half[None, :, None] + 2 * c), axis=1)
     tl.store(cache_u8_ptr + row[:, None] + V_OFF + cols_v[None, :], vpacked.to(tl.uint8), mask=valid[:, None])
     if V_BITS == 3:
         cols_ve = tl.arange(0, VE)

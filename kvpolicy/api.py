@@ -18,7 +18,7 @@ from kvpolicy.errors import InputError, did_you_mean
 MAX_BODY_BYTES = 64 * 1024
 """Largest request body accepted; longer bodies get 413 (counted while reading, not from Content-Length)."""
 MAX_CHECK_DEPLOYMENTS = 128
-"""Most deployments one `POST /v1/check` may carry (each costs about a millisecond of CPU)."""
+"""Most deployments one `POST /v1/check` may carry (each costs a fraction of a millisecond of CPU)."""
 MAX_CONTEXT_TOKENS: int = next(m.le for m in Workload.model_fields["context_tokens"].metadata if hasattr(m, "le"))
 """The Workload's bound on context_tokens, applied to `context` before the request is evaluated."""
 

@@ -31,8 +31,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "facts": ("kvpolicy.commands.catalogs", "List the facts rules can test."),
     "models": ("kvpolicy.commands.catalogs", "List the model catalog."),
     "gpus": ("kvpolicy.commands.catalogs", "List the GPU catalog."),
+    "bench": ("kvpolicy.commands.runtime", "Time decode attention of BF16 and the decision on this GPU; --record it."),
+    "verify": ("kvpolicy.commands.runtime", "Needle-test the decision's KV formats against BF16 on this GPU."),
     "schema": ("kvpolicy.commands.catalogs", "Write the JSON Schemas (policy, tests, recommendation, service) to schemas/."),
     "serve": ("kvpolicy.commands.serve", "Serve the policy as an HTTP JSON decision service (needs the serve extra)."),
+    "apply": ("kvpolicy.commands.apply", "Launch vLLM with the decision, validated by vLLM itself (--dry-run, --emit-config)."),
+    "calibrate": ("kvpolicy.commands.calibrate", "Write the llm-compressor recipe for calibrated FP8 KV scales."),
 }
 
 

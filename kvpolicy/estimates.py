@@ -123,9 +123,13 @@ def variant_key(dtype: str, skip_layers: list[str] | tuple[str, ...]) -> str:
 
 
 def find_itl(policy: Policy, arch: ModelArch, gpu: GpuSpec) -> tuple[str, dict[str, ItlFit]] | None:
-    """The evidence id and ITL fits measured for this model on this GPU, if any."""
+    """The evidence id and ITL fits measured for this model on this GPU, if any.
+
+    The last match wins: an extending policy's evidence (e.g. `kvpolicy bench --record`
+    on the user's GPU) comes after the built-in studies' in the merged list.
+    """
     names = {n.lower() for n in (arch.id, *arch.aliases, arch.hf_id or "")}
-    for ev in policy.evidence:
+    for ev in reversed(policy.evidence):
         if ev.itl and ev.itl.gpu == gpu.id and ev.itl.model.lower() in names:
             return ev.id, ev.itl.variants
     return None

@@ -64,5 +64,8 @@ def attach_docstrings(root: type[BaseModel]) -> None:
         for name, info in model.model_fields.items():
             if info.description is None and name in docs:
                 info.description = docs[name]
-    for model in reversed(models):
-        model.model_rebuild(force=True)
+    # Twice: recursive models (AllOf -> Condition -> AllOf) embed each other's schema, so
+    # one pass leaves some of them with the copy built before their docs were attached.
+    for _ in range(2):
+        for model in reversed(models):
+            model.model_rebuild(force=True)

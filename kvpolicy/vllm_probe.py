@@ -35,6 +35,7 @@ def detect() -> dict:
     import importlib.metadata as md
     import importlib.util
 
+    # Only the top-level spec: find_spec of a submodule would import vllm itself (seconds).
     if importlib.util.find_spec("vllm") is None:
         return {"installed": False}
     dists = md.packages_distributions().get("vllm", []) or ["vllm"]
@@ -45,21 +46,18 @@ def detect() -> dict:
             break
         except md.PackageNotFoundError:
             continue
-    return {"installed": True, "version": version, "distribution": dists[0],
-            "has_cli_main": importlib.util.find_spec("vllm.entrypoints.cli.main") is not None,
-            "python": sys.executable}
+    return {"installed": True, "version": version, "distribution": dists[0], "python": sys.executable}
 
 
-def _no_accelerator() -> bool:
-    """True when torch sees no CUDA/ROCm/XPU device (vLLM then cannot infer its platform)."""
+def _platform_unknown() -> bool:
+    """True when vLLM cannot tell which device it runs on (a GPU build on a machine with no GPU)."""
     try:
+        from vllm.platforms import resolve_current_platform_cls_qualname
+    except ImportError:  # older vLLM: ask torch whether a GPU is visible
         import torch
-    except ImportError:
-        return True
-    if torch.cuda.is_available():
-        return False
-    xpu = getattr(torch, "xpu", None)
-    return not (xpu is not None and xpu.is_available())
+
+        return not torch.cuda.is_available()
+    return "Unspecified" in resolve_current_platform_cls_qualname()
 
 
 def _serve_parser():
@@ -128,7 +126,7 @@ def _cache_config(engine_args):
 def validate(request: dict) -> dict:
     """Run vLLM's own checks on the argument list (and the config file)."""
     forced_cpu = False
-    if not os.environ.get("VLLM_TARGET_DEVICE") and _no_accelerator():
+    if not os.environ.get("VLLM_TARGET_DEVICE") and _platform_unknown():
         # Without it vLLM fails with "Failed to infer device type" on a machine with no GPU.
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
         forced_cpu = True
@@ -153,6 +151,13 @@ def validate(request: dict) -> dict:
         cache = _cache_config(engine_args)
         result["checked"].append("CacheConfig")
         result["cache_dtype"] = str(cache.cache_dtype)
+        backend = getattr(engine_args, "attention_backend", None)
+        if backend is not None:
+            stage = "AttentionConfig"
+            from vllm.config import AttentionConfig
+
+            AttentionConfig(backend=backend)
+            result["checked"].append("AttentionConfig")
         if request.get("config"):
             stage = "config file"
             from_file, error = _parse(["--config", request["config"]])

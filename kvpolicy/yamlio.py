@@ -139,7 +139,8 @@ def write_text_atomic(path: Path, text: str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     except OSError as exc:
-        raise InputError(f"{path}: cannot write ({exc.strerror or exc}). Check that {folder} exists and is writable.") from None
+        raise InputError(f"{path}: cannot write ({exc.strerror or exc}). "
+                         f"Check that {folder} exists and is writable.") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
@@ -239,7 +240,7 @@ def validation_problems(exc: Any, data: Any, where: str, model: type | None = No
             msg = msg[len("Value error, "):]
         if kind == "extra_forbidden":
             key = str(path_loc[-1]) if path_loc else "?"
-            allowed = _allowed_keys(model, path_loc[:-1])
+            allowed = _allowed_keys(model, loc[:-1])
             hint = did_you_mean(key, allowed) if allowed else ""
             msg = f"unknown key `{key}`.{hint} Remove it or fix its spelling."
         elif kind == "missing":
@@ -260,35 +261,59 @@ def validation_problems(exc: Any, data: Any, where: str, model: type | None = No
 
 
 def _allowed_keys(model: type | None, loc: tuple[Any, ...]) -> list[str]:
-    """Field names (and aliases) of the pydantic model reached by following `loc` from `model`."""
-    import typing
-
+    """Field names (and aliases) of the pydantic model reached by following `loc` (tags included) from `model`."""
     from pydantic import BaseModel
-
-    def fields_of(m: Any) -> dict[str, Any]:
-        return m.model_fields if isinstance(m, type) and issubclass(m, BaseModel) else {}
 
     current: Any = model
     for key in loc:
-        if isinstance(key, int):
+        if _is_tag(key):
+            chosen = [m for m in _members(current) if getattr(m, "__name__", None) == key]
+            if chosen:
+                current = chosen[0]
             continue
-        f = fields_of(current).get(key)
-        if f is None:
-            return []
-        current = _first_model(f.annotation, typing)
-    names = []
-    for name, f in fields_of(current).items():
-        names.append(f.alias or name)
-    return names
+        if isinstance(key, int):
+            current = _container_item(current, list)
+            continue
+        model_cls = _only_model(current)
+        if model_cls is not None:
+            f = model_cls.model_fields.get(key) or next(
+                (f for f in model_cls.model_fields.values() if f.alias == key), None)
+            if f is None:
+                return []
+            current = f.annotation
+        else:
+            current = _container_item(current, dict)
+    model_cls = _only_model(current)
+    if model_cls is None or not issubclass(model_cls, BaseModel):
+        return []
+    return [f.alias or name for name, f in model_cls.model_fields.items()]
 
 
-def _first_model(annotation: Any, typing: Any) -> Any:
+def _members(annotation: Any) -> list[Any]:
+    """The flat list of types a (possibly Annotated / Union) annotation allows."""
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _members(typing.get_args(annotation)[0])
+    if origin is typing.Union or type(annotation).__name__ == "UnionType":
+        return [m for a in typing.get_args(annotation) for m in _members(a)]
+    return [annotation]
+
+
+def _only_model(annotation: Any) -> Any:
     from pydantic import BaseModel
 
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _first_model(arg, typing)
-        if found is not None:
-            return found
-    return None
+    models = [m for m in _members(annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
+    return models[0] if len(models) == 1 else None
+
+
+def _container_item(annotation: Any, kind: type) -> Any:
+    """The item type of the first list (or value type of the first dict) an annotation allows."""
+    import typing
+
+    for m in _members(annotation):
+        if typing.get_origin(m) is kind:
+            args = typing.get_args(m)
+            return args[-1] if args else Any
+    return Any

@@ -51,6 +51,7 @@ BROKEN = {
     "schema": POLICY + "thresholds: {break_even_tokens: {value: lots}}\n",
     "unknown fact": POLICY + "pins:\n  - name: p\n    when: {fact: model.headdim, op: eq, value: 1}\n"
                     "    set: {kv_cache_dtype: auto}\n",
+    "empty": "",
 }
 CHAT = {"model": "gpt-oss-20b", "gpu": "h100", "context": "32k"}
 
@@ -177,32 +178,45 @@ def test_healthz(server, team_file):
     assert body["policy_path"] == str(team_file)
 
 
-def test_check_batch(server, published):
+def test_check_batch(server, published, team_file):
+    from kvpolicy.policy.deployments import check_deployment
+    from kvpolicy.policy.schema import Deployment
+
     batch = {"deployments": [
         {"name": "chat", **CHAT},
         {"model": "llama-3.1-8b", "gpu": "h100", "context": 4096},
         {"name": "typo", "model": "gpt-oss-2b", "gpu": "h100"},
         {"name": "old-gpu", "model": "gpt-oss-20b", "gpu": "h10"},
         {"name": "floor", "model": "gpt-oss-20b", "gpu": "h100", "accuracy_floor": 0.5},
+        {"name": "too-big", "model": "llama-3.1-405b", "gpu": "l40s", "context": "128k"},
     ]}
     r = server.client.post("/v1/check", json=batch)
     assert r.status_code == 200, r.text
     body = r.json()
     _validate(body, published["serve-check-response.schema.json"])
-    assert (body["source"], body["num_deployments"], body["num_ok"], body["num_failed"]) == ("request", 5, 2, 3)
-    chat, unnamed, typo, old_gpu, floor = body["results"]
-    assert chat["recommendation"] == server.client.post("/v1/recommend", json=CHAT).json()
-    assert unnamed["name"] == "deployment-2" and unnamed["recommendation"]["decision"]["kv_cache_dtype"] == "auto"
+    assert (body["source"], body["ok"], body["num_deployments"]) == ("request", False, 6)
+    assert (body["num_ok"], body["num_violations"], body["num_errors"]) == (2, 1, 3)
+    chat, unnamed, typo, old_gpu, floor, too_big = body["results"]
+    # The report is `kvpolicy check`'s own, for the same deployment.
+    expected = check_deployment(load_policy(team_file), Deployment(name="chat", model="gpt-oss-20b", gpu="h100-sxm",
+                                                                   context=32768))
+    assert chat["status"] == "ok" and chat["report"]["decision"] == expected["decision"]
+    assert chat["report"]["vllm_args"] == expected["vllm_args"] == server.client.post(
+        "/v1/recommend", json=CHAT).json()["vllm_args"]
+    assert unnamed["name"] == "deployment-2" and unnamed["report"]["decision"]["kv_cache_dtype"] == "auto"
     assert typo["error"]["error"] == "unknown_model" and "Did you mean `gpt-oss-20b`" in typo["error"]["detail"]
     assert old_gpu["error"]["error"] == "unknown_gpu" and old_gpu["error"]["location"] == "gpu"
-    assert floor["error"]["location"] == "accuracy_floor" and "0.9" in floor["error"]["detail"]
+    assert floor["status"] == "error" and "min_accuracy_floor 0.9" in floor["error"]["detail"]
+    assert too_big["status"] == "violation" and "no room for a KV cache" in too_big["violations"][0]
 
 
 def test_check_without_deployments_evaluates_the_policys(server):
     for kwargs in ({"content": b""}, {"json": {}}, {"json": {"deployments": None}}):
         body = server.client.post("/v1/check", **kwargs).json()
-        assert body["source"] == "policy"
-        assert [(r["name"], r["ok"]) for r in body["results"]] == [("chat", True), ("rag", True), ("typo", False)]
+        assert body["source"] == "policy" and body["ok"] is False
+        assert [(r["name"], r["status"]) for r in body["results"]] == [("chat", "ok"), ("rag", "ok"), ("typo", "error")]
+        assert body["results"][0]["report"]["line"] == 7
+        assert body["results"][2]["error"]["error"] == "deployment_error"
 
 
 def test_metrics(server):
@@ -348,6 +362,13 @@ def reloading(tmp_path):
     srv.stop()
 
 
+def _write(path: Path, text: str) -> None:
+    """Replace the file in one step, as editors and config management do."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _dtype(srv: Server) -> str:
     return srv.client.post("/v1/recommend", json=CHAT).json()["decision"]["kv_cache_dtype"]
 
@@ -361,21 +382,21 @@ def test_reload_good_and_broken_edits(reloading):
     srv, policy = reloading
     first = srv.hash()
     assert _dtype(srv) == "fp8"
-    policy.write_text(PINNED)
+    _write(policy, PINNED)
     srv.wait_for(lambda: srv.hash() != first)
     assert srv.hash() == load_policy(policy).content_hash
     assert _dtype(srv) == "auto"
     assert _reloads(srv, "accepted") == 1
     pinned = srv.hash()
     for n, (what, text) in enumerate(BROKEN.items(), 1):
-        policy.write_text(text)
+        _write(policy, text)
         srv.wait_for(lambda n=n: _reloads(srv, "rejected") == n)
         assert srv.hash() == pinned and _dtype(srv) == "auto", what
         last = srv.client.get("/healthz").json()["last_reload"]
         assert last["result"] == "rejected" and last["error"], what
-    assert srv.log().count("rejected, still serving team@" + pinned) == 3
-    assert "model.headdim" in srv.log()
-    policy.write_text(POLICY)
+    assert srv.log().count("rejected, still serving team@" + pinned) == len(BROKEN)
+    assert "model.headdim" in srv.log() and "policy file is empty" in srv.log()
+    _write(policy, POLICY)
     srv.wait_for(lambda: srv.hash() == first)
     assert _dtype(srv) == "fp8"
 
@@ -493,3 +514,38 @@ def test_other_commands_do_not_import_the_server_stack(team_file):
     out = subprocess.run([sys.executable, "-c", code, str(team_file.parent)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
+
+
+def test_api_fields_are_documented():
+    from kvpolicy import api
+    from kvpolicy.fielddocs import field_docstrings, model_tree
+
+    for root in (api.RecommendRequest, api.CheckRequest, api.CheckResponse, api.ErrorBody):
+        for model in model_tree(root):
+            if not model.__module__.startswith("kvpolicy.api"):
+                continue
+            docs: dict[str, str] = {}
+            for klass in reversed(model.__mro__):
+                if klass.__module__.startswith("kvpolicy"):
+                    docs.update(field_docstrings(klass))
+            assert not [n for n in model.model_fields if not docs.get(n)], model.__name__
+
+
+def test_a_bug_is_a_json_500_and_the_server_stays_up(monkeypatch):
+    # In-process (Starlette's TestClient): the one way to make kvpolicy itself fail on purpose.
+    from starlette.testclient import TestClient
+
+    import kvpolicy.service as service
+    from kvpolicy.service_policy import PolicyHolder
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated bug")
+
+    client = TestClient(service.create_app(PolicyHolder("builtin:default")), raise_server_exceptions=False)
+    monkeypatch.setattr(service, "recommend", broken)
+    r = client.post("/v1/recommend", json=CHAT)
+    assert r.status_code == 500 and r.json()["error"] == "internal_error" and "bug" in r.json()["detail"]
+    assert r.headers["x-kvpolicy-policy"]
+    monkeypatch.undo()
+    assert client.post("/v1/recommend", json=CHAT).status_code == 200
+    assert 'status="500"} 1' in client.get("/metrics").text

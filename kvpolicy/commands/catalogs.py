@@ -133,7 +133,7 @@ def schemas() -> dict[str, dict]:
 
 def _policy_test_model() -> type:
     """The `*_test.yaml` model (kvpolicy test)."""
-    from kvpolicy.policy.testing import PolicyTestFile
+    from kvpolicy.policy.testcases import PolicyTestFile
 
     return PolicyTestFile
 

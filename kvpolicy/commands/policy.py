@@ -129,11 +129,17 @@ def _lint(args: argparse.Namespace) -> int:
         raise InputError(f"no policy files found under {', '.join(args.paths) or '.'}. Pass a file, or create one "
                          "with `kvpolicy init`.")
     findings = []
+    seen: set[tuple[object, ...]] = set()
     load_failed = False
     for f in files:
         found = lint_path(f)
         load_failed |= is_load_failure(found)
-        findings.extend(x for x in found if x.code not in ignore)
+        for x in found:
+            key = (x.code, x.file, x.line, x.col, x.message)
+            # A file that others extend is linted with each of them: report its findings once.
+            if x.code not in ignore and key not in seen:
+                seen.add(key)
+                findings.append(x)
     render_lint(findings, len(files), args.format)
     if load_failed:
         return EXIT_USAGE
@@ -161,7 +167,8 @@ def _test(args: argparse.Namespace) -> int:
             continue
         rules.setdefault(fr.policy_file, fr.rules)
         fired.setdefault(fr.policy_file, set()).update(x for c in fr.cases for x in c.fired)
-    coverage = {p: [r for r in ids if r not in fired.get(p, set())] for p, ids in rules.items()}
+    coverage = {p: {"rules": ids, "uncovered": [r for r in ids if r not in fired.get(p, set())]}
+                for p, ids in rules.items()}
     counts = render_tests(results, coverage if pattern is None else {}, args.format, args.verbose)
     ran = counts["PASS"] + counts["FAIL"] + counts["ERROR"]
     if any(fr.error for fr in results):

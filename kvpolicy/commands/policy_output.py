@@ -101,7 +101,8 @@ def _value(v: Any) -> str:
     return str(v)
 
 
-def render_tests(files: list[Any], coverage: dict[str, list[str]], fmt: str, verbose: bool) -> dict[str, int]:
+def render_tests(files: list[Any], coverage: dict[str, dict[str, list[str]]], fmt: str,
+                 verbose: bool) -> dict[str, int]:
     """The pass/fail table (failures with expected vs got and the deciding rule); returns the counts."""
     counts = {"PASS": 0, "FAIL": 0, "ERROR": 0, "SKIPPED": 0}
     for fr in files:
@@ -113,7 +114,7 @@ def render_tests(files: list[Any], coverage: dict[str, list[str]], fmt: str, ver
         dump_json({"summary": {k.lower(): v for k, v in counts.items()},
                    "files": [{"file": fr.file, "policy_file": fr.policy_file, "policy": fr.policy,
                               "error": fr.error, "cases": [vars(c) for c in fr.cases]} for fr in files],
-                   "coverage": {p: {"uncovered": u} for p, u in coverage.items()}})
+                   "coverage": coverage})
         return counts
     for fr in files:
         if fmt == "github":
@@ -126,7 +127,7 @@ def render_tests(files: list[Any], coverage: dict[str, list[str]], fmt: str, ver
             continue
         echo(f"{fr.file}" + (f"  ({fr.policy})" if fr.policy else ""))
         if fr.error:
-            echo(f"  ERROR  {fr.error}")
+            echo("  ERROR   " + fr.error.replace("\n", "\n          "))
         for c in fr.cases:
             if c.status == "PASS" and not verbose:
                 continue
@@ -141,11 +142,13 @@ def render_tests(files: list[Any], coverage: dict[str, list[str]], fmt: str, ver
         if shown and not verbose:
             echo(f"  PASS    {shown} case{'s' * (shown != 1)}")
     if fmt != "github":
-        for policy, uncovered in coverage.items():
-            if uncovered:
-                echo(f"coverage: {policy}: no case fired {', '.join(uncovered)}")
+        for policy, cov in coverage.items():
+            if cov["uncovered"]:
+                echo(f"coverage: {policy}: no case fired {', '.join(cov['uncovered'])}")
+            elif cov["rules"]:
+                echo(f"coverage: {policy}: all {len(cov['rules'])} rules and pins it defines fired in some case")
             else:
-                echo(f"coverage: {policy}: every rule and pin fired in some case")
+                echo(f"coverage: {policy}: defines no rules or pins of its own (inherited ones are tested upstream)")
     echo(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} errors, {counts['SKIPPED']} skipped")
     return counts
 
@@ -188,7 +191,8 @@ def render_check(label: str, results: list[dict[str, Any]], fmt: str) -> None:
             echo(f"      {r['error']}")
             continue
         d, cap = r["decision"], r["capacity"]
-        echo(f"      {r['model']} on {r['gpu']}: kv_cache_dtype {d['kv_cache_dtype']} ({r['decided_by']['kv_cache_dtype']})"
+        by = r["decided_by"]["kv_cache_dtype"]
+        echo(f"      {r['model']} on {r['gpu']}: kv_cache_dtype {d['kv_cache_dtype']} ({by})"
              f", skip {_value(d['skip_layers'])}, two-level {d['two_level_accumulation']}, scales {d['scale_source']}, "
              f"backend {d['attention_backend'] or 'vLLM default'}")
         fits = cap["max_concurrency"]
@@ -242,6 +246,8 @@ def render_diff(old_label: str, new_label: str, changes: list[str], diffs: list[
             echo(f"  CHANGED {d.name}")
             for c in d.changes:
                 echo(f"          {_change_text(c)}")
+        for text in d.input_changes:
+            echo(f"          deployment {text}")
         if d.status == "changed" and d.old_concurrency != d.new_concurrency:
             echo(f"          max concurrency {d.old_concurrency:g} -> {d.new_concurrency:g}")
         for w in d.warnings_added:

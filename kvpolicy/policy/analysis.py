@@ -22,7 +22,8 @@ BOOL_FACTS = {"model.is_hybrid", "model.has_attention_sinks", "gpu.fp8_compute",
               "memory.fits_bf16", "memory.fits_fp8", "memory.fits_turboquant_4bit_nc"}
 TEXT_FACTS = {"model.id", "model.family", "decision.skip_layers", "decision.attention_backend"}
 ALWAYS_SET = BOOL_FACTS | {"model.attention", "gpu.generation", "gpu.vendor", "gpu.id", "workload.priority",
-                           "model.id", "workload.context_tokens", "workload.concurrency", "workload.tp"}
+                           "model.id", "model.family", "workload.context_tokens", "workload.concurrency",
+                           "workload.tp"}
 
 
 @functools.cache
@@ -222,8 +223,8 @@ def implies(b: Conjunction, a: Conjunction) -> bool:
     for leaf, value in a.leaves:
         if (_dump(leaf), value) in leaves_b:
             continue
-        region = regions.get(leaf.fact)
-        if region is None or not _region_implies(region, leaf, value):
+        region = regions.get(leaf.fact) or Region.start(leaf.fact)
+        if not _region_implies(region, leaf, value):
             return False
     return True
 

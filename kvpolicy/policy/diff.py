@@ -47,7 +47,7 @@ def git_reader(rev: str) -> Reader:
             raise InputError(f"{path}@{rev}: cannot run git ({exc}).") from None
         if proc.returncode == 0:
             return proc.stdout
-        err = (proc.stderr.strip().splitlines() or ["git show failed"])[-1].removeprefix("fatal: ")
+        err = (proc.stderr.strip().splitlines() or ["git show failed"])[-1].removeprefix("fatal: ").rstrip(".")
         if "not a git repository" in err:
             raise InputError(f"{path}@{rev}: {folder.resolve()} is not inside a git repository. Run from a "
                              "checkout, or compare two files: `kvpolicy diff OLD.yaml NEW.yaml`.")
@@ -95,6 +95,8 @@ class DeploymentDiff:
     new_concurrency: float | None = None
     warnings_added: list[str] = field(default_factory=list)
     warnings_removed: list[str] = field(default_factory=list)
+    input_changes: list[str] = field(default_factory=list)
+    """Changes to the deployment itself (model, GPU, workload), e.g. `context: 8k -> 4k`."""
     error: str = ""
 
 
@@ -118,6 +120,9 @@ def compare_deployment(name: str, old: tuple[LoadedPolicy, Deployment] | None,
         return DeploymentDiff(name, "error", error=str(exc))
     a, b = recs
     out = DeploymentDiff(name, "unchanged")
+    if old is not None and new is not None:
+        before, after = old[1].model_dump(), new[1].model_dump()
+        out.input_changes = [f"{k}: {before[k]} -> {after[k]}" for k in after if before.get(k) != after[k]]
     if a is not None:
         out.old_decision = a.decision.model_dump()
         out.old_concurrency = a.estimates.max_concurrency.value

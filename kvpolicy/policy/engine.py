@@ -347,6 +347,13 @@ def decide(policy: Policy, facts: dict[str, Any]) -> Outcome:
                                       f"`{pattern}` forbids. Change the pin or the constraint.")
                 if winner[1] != "default":
                     losers.append(winner[1])
+                beaten = outcomes.get(winner[1])
+                if beaten is not None and field_name in beaten["decided"]:
+                    # The pin decides: the rule's warnings and evidence no longer describe the decision.
+                    beaten["decided"].remove(field_name)
+                    beaten["overridden"].append(field_name)
+                    if not beaten["decided"]:
+                        deciders.pop(winner[1], None)
                 winner = (pinned[field_name], f"pin:{pin.name}")
         if winner[1] == "default":
             pattern = _forbidden(policy, field_name, winner[0])

@@ -31,6 +31,16 @@ def _why_empty(region: Any, conj: Any) -> str:
             return f"`{region.fact}` is never {asked[0]!r} (its values: {shown}).{hint}"
     if fact_kind(region.fact) != "number" and (region.lo != -math.inf or region.hi != math.inf):
         return f"`{region.fact}` is not a number, so lt/le/gt/ge never hold."
+    kind = fact_kind(region.fact)
+    for leaf, value in conj.leaves:
+        values = value if isinstance(value, list) else [value]
+        if leaf.fact != region.fact or leaf.op not in ("eq", "in") or not values:
+            continue
+        numeric = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in values if v is not None]
+        if kind == "number" and not any(numeric):
+            return f"`{region.fact}` is a number; it never equals {values[0]!r}."
+        if kind == "text" and all(numeric):
+            return f"`{region.fact}` is text; it never equals the number {values[0]!r} (quote it)."
     return f"the comparisons on `{region.fact}` contradict each other."
 
 
@@ -44,7 +54,8 @@ def rules(lt: _Linter) -> None:
         region = unsatisfiable(lt.conj[r.id])
         if region is not None:
             lt.unreachable.add(r.id)
-            lt.emit("KVL101", f"rule {r.id} can never fire: {_why_empty(region, lt.conj[r.id])}", lt.src.rule(r.id, "when"), at)
+            lt.emit("KVL101", f"rule {r.id} can never fire: {_why_empty(region, lt.conj[r.id])}",
+                    lt.src.rule(r.id, "when"), at)
         if not patch and not r.advise and not r.warn:
             lt.emit("KVL106", f"rule {r.id} sets no field, warns nothing and advises nothing; add `then:`, "
                     "`warn:` or `advise:`, or remove it.", at)
@@ -121,8 +132,8 @@ def pins_and_constraints(lt: _Linter) -> None:
         file_loc = lt.src.item("pins", "name", pin.name)
         region = unsatisfiable(lt.pin_conj[i])
         if region is not None:
-            lt.emit("KVL101", f"pin `{pin.name}` never applies: {_why_empty(region, lt.pin_conj[i])}", lt.src.pin(pin.name, "when"),
-                    at)
+            lt.emit("KVL101", f"pin `{pin.name}` never applies: {_why_empty(region, lt.pin_conj[i])}",
+                    lt.src.pin(pin.name, "when"), at)
         fields = pin.set.fields()
         for field, value in fields.items():
             pattern = lt.forbidden(field, value)

@@ -114,9 +114,8 @@ def load_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
             raise _at_extends(referrer, f"`extends: {current}`: {exc} Fix the path (relative to the folder of "
                                         f"{referrer[0]}) or use `builtin:default`.", type(exc)) from None
         key = name if name.startswith(BUILTIN) else str(Path(name).resolve())
-        if key in seen:
+        if key in seen and referrer is not None:
             cycle = " -> ".join(chain + [name])
-            assert referrer is not None
             raise _at_extends(referrer, f"circular `extends`: {cycle}. Remove the `extends:` that closes the loop.")
         seen.add(key)
         chain.append(name)
@@ -134,24 +133,23 @@ def load_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
             raise _at_extends((name, data), "`extends` must name a policy, such as `builtin:default` or "
                                             f"`../base.yaml` (found {ext!r}).")
         # Each file on its own first, so that errors point at the right file and line.
-        _validate(_plain(data), data, name, PolicyLayer if ext is not None else Policy)
+        alone = _validate(_plain(data), data, name, PolicyLayer if ext is not None else Policy)
         base = folder
         current = ext
 
+    # Merge from the root of the chain down to the requested file.
     merged: dict[str, Any] = {}
     for index in range(len(layers) - 1, -1, -1):
         name, data = layers[index]
-        if not merged:
-            merged = _plain(data)
-            _check_rule_ids(merged, [], name, data)
-            continue
-        _check_rule_ids(_plain(data), merged.get("rules") or [], name, data)
-        merged = _merge(merged, _plain(data))
+        plain = _plain(data)
+        _check_rule_ids(plain, merged.get("rules") or [], name, data)
+        merged = plain if index == len(layers) - 1 else _merge(merged, plain)
     merged.pop("extends", None)
     if len(layers) > 1:
         merged["extends"] = layers[0][1].get("extends")
 
-    policy = _validate(merged, layers[0][1], chain[0], Policy)
+    # A file that extends nothing is its own merged policy: validated above already.
+    policy = alone if len(layers) == 1 else _validate(merged, layers[0][1], chain[0], Policy)
     digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:12]
     loaded = LoadedPolicy(policy=policy, chain=chain, content_hash=digest, raw=raws)
     _check_references(loaded)

@@ -136,11 +136,12 @@ def run_model_check(folder: Path, arch: ModelArch, variants: list[Variant], devi
     """Agreement and KL of each variant's cache against the BF16 cache (BF16 against the model's own attention)."""
     from transformers import AutoModelForCausalLM
 
+    import transformers
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    except TypeError:  # transformers < 4.56 spells it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
+    model = AutoModelForCausalLM.from_pretrained(folder, **{kw: dtype})
     model = model.to(device).eval()
     ids, what = load_tokens(folder, text_path, max_tokens, model.config.vocab_size, seed)
     ids = ids.to(device)

@@ -32,16 +32,18 @@ def store(cache: LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torc
 
             store_kv_ref(key, value, cache.key_cache, slots, plan.fmt.name)
         return
-    if backend == "triton":
+    d = plan.head_dim
+    piece = d & -d  # largest power of two dividing the head dim
+    if backend == "triton" and piece >= 16 and (piece == d or cache.k_scale is None or cache.k_scale.numel() == 1):
         from kvpolicy.kernels.paged_store import store_kv
 
         kc, vc = cache.key_cache, cache.value_cache
-        d = plan.head_dim
-        if d & (d - 1) and d % 64 == 0:
-            # An MLA latent (576 = 9 x 64) is stored as 64-wide pieces: same bytes, a head dim the kernel takes.
-            pieces = d // 64
-            key, value = key.reshape(-1, pieces, 64), value.reshape(-1, pieces, 64)
-            kc, vc = kc.view(*kc.shape[:2], pieces, 64), vc.view(*vc.shape[:2], pieces, 64)
+        if piece != d:
+            # An MLA latent (576 = 9 x 64) is stored as power-of-two pieces: the same bytes, in a head dim the
+            # kernel takes (a per-tensor scale applies to every piece alike).
+            n = d // piece
+            key, value = key.reshape(-1, n, piece), value.reshape(-1, n, piece)
+            kc, vc = kc.view(*kc.shape[:2], n, piece), vc.view(*vc.shape[:2], n, piece)
         store_kv(key, value, kc, vc, slots, cache.k_scale, cache.v_scale)
         return
     from kvpolicy.kernels.reference import ref_store_kv

@@ -4,16 +4,14 @@ The entry is an ordinary `evidence:` item with an `itl:` block for the model and
 GPU measured, so `--policy FILE` makes the estimates label slope ratio and
 break-even *measured* and the engine's `latency.*_break_even_tokens` facts (and
 with them the dtype rules' thresholds) follow the user's GPU. An existing file
-is updated in place through a round trip (comments, order and quoting kept), the
-result is validated as a policy before it replaces the file atomically; a
-missing file becomes a small policy that extends the built-in one.
+is updated through `yamlio.update_yaml_file` (comments, order, quoting and
+indentation kept; written atomically) after the result validates as a policy;
+a missing file becomes a small policy that extends the built-in one.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +53,11 @@ def recorded_fits(result: BenchResult) -> tuple[int, dict[str, BenchFit]]:
                 fits[f.key] = f
     if "bf16" not in fits:
         raise InputError("--record: the bench has no BF16 line to record against.")
+    flat = [f"{k} ({f.slope_ms_per_token:.3g} ms/token)" for k, f in fits.items() if f.slope_ms_per_token <= 0]
+    if flat:
+        raise InputError(f"--record: the fitted slope of {', '.join(flat)} is not positive: at these contexts the "
+                         "timings are noise, not a line. Measure longer contexts (e.g. --contexts 1k..128k); "
+                         "nothing was recorded.")
     return batch, fits
 
 
@@ -81,7 +84,7 @@ def evidence_entry(result: BenchResult) -> dict[str, Any]:
     for key, f in fits.items():
         fit: dict[str, float] = {"slope_ms_per_token": _sig(f.slope_ms_per_token), "intercept_ms": _sig(f.intercept_ms)}
         if f.break_even_tokens:
-            fit["break_even_tokens"] = float(round(f.break_even_tokens))
+            fit["break_even_tokens"] = int(round(f.break_even_tokens))
         variants[key] = fit
     return {"id": evidence_id(result.model, result.gpu), "statement": statement, "source": source,
             "itl": {"model": result.model, "gpu": result.gpu, "variants": variants}}
@@ -120,33 +123,38 @@ def record_bench(result: BenchResult, path: Path) -> str:
 
 
 def update_policy_file(path: Path, mutate: Any) -> None:
-    """Round-trip `path` (created from NEW_POLICY when missing) through `mutate`, validate, replace atomically."""
-    from ruamel.yaml import YAML
+    """Round-trip `path` through `mutate` (a missing or empty file starts as NEW_POLICY), check it, write atomically.
 
-    from kvpolicy.policy.loader import load_policy
-    from kvpolicy.yamlio import load_roundtrip, read_text
+    The file's own content is validated as a policy before anything is written
+    (as the loader checks each file of an `extends` chain), so a failed record
+    leaves the file as it was.
+    """
+    from pydantic import ValidationError
 
-    text = read_text(path) if path.exists() else NEW_POLICY.format(name=path.name)
-    doc = load_roundtrip(text, str(path))
-    if doc is None:
-        doc = load_roundtrip(NEW_POLICY.format(name=path.name), str(path))
-    if not isinstance(doc, dict):
-        raise PolicyError(f"{path}: a policy file must be a YAML mapping; --record cannot add evidence to it.")
-    mutate(doc)
-    yaml = YAML(typ="rt")
-    yaml.indent(mapping=2, sequence=4, offset=2)
-    yaml.width = 4096
-    yaml.preserve_quotes = True
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            yaml.dump(doc, f)
-        load_policy(tmp)  # the written file must load as a policy before it replaces anything
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o777)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from kvpolicy.policy.schema import Policy
+    from kvpolicy.yamlio import format_validation_error, load_roundtrip, update_yaml_file
+
+    def change(doc: Any) -> Any:
+        if not isinstance(doc, dict):
+            raise PolicyError(f"{path}: a policy file must be a YAML mapping; --record cannot add evidence to it.")
+        if not doc:
+            doc = load_roundtrip(NEW_POLICY.format(name=path.name), str(path))
+        mutate(doc)
+        plain = {str(k): v for k, v in _plain(doc).items() if k != "thresholds"}
+        try:
+            Policy.model_validate(plain)
+        except ValidationError as exc:
+            raise PolicyError(format_validation_error(exc, doc, str(path), Policy)) from None
+        return doc
+
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True)
+    update_yaml_file(path, change)
+
+
+def _plain(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {str(k): _plain(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_plain(v) for v in data]
+    return data

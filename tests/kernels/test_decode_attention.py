@@ -31,7 +31,9 @@ TOL_BF16 = 1e-5 if INTERPRET else 1e-2
 TOL_FP8 = 1e-2
 TOL_FP8_QUERY = 3e-2
 
-SWAPPED = DecodeConfig(block_n=64, num_warps=4, num_stages=1, swap_ab=True, programs_per_sm=1.0, min_tokens_per_split=64)
+SWAPPED = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=True, programs_per_sm=1.0, min_tokens_per_split=64)
+# Two sub-tiles of 64 per iteration, standard orientation.
+PAIRED = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=1.0, min_tokens_per_split=64, num_sub=2)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -106,15 +108,17 @@ SEQ_LENS = [1, 37, 300]  # one token; partly filled last block; several tiles
 SINKS = object()  # marker: draw sinks for the case
 
 
+CONFIGS = {"default": None, "swapped": SWAPPED, "paired": PAIRED}
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("window, sinks, num_splits", [(None, None, 1), (48, SINKS, 3), (None, SINKS, None), (200, None, 2)])
-def test_bf16_matches_reference(device: str, head_dim: int, swap_ab: bool, window, sinks, num_splits) -> None:
+def test_bf16_matches_reference(device: str, head_dim: int, config: str, window, sinks, num_splits) -> None:
     case = make_case(device, SEQ_LENS, num_q_heads=8, num_kv_heads=2, head_dim=head_dim)
     if sinks is SINKS:
         sinks = torch.randn(8, device=device) * 2
-    config = SWAPPED if swap_ab else None
-    run_and_check(case, TOL_BF16, sliding_window=window, sinks=sinks, num_splits=num_splits, config=config)
+    run_and_check(case, TOL_BF16, sliding_window=window, sinks=sinks, num_splits=num_splits, config=CONFIGS[config])
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -129,10 +133,10 @@ def test_fp8_matches_reference(device: str, head_dim: int, per_head: bool, swap_
 
 
 @pytest.mark.parametrize("two_level", [True, False])
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_fp8_query_and_two_level(device: str, two_level: bool, swap_ab: bool) -> None:
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_fp8_query_and_two_level(device: str, two_level: bool, config: str) -> None:
     case = make_case(device, [53, 261], 8, 1, 128, "fp8", per_head=True, value_offset=1.0)
-    config = SWAPPED if swap_ab else None
+    config = CONFIGS[config]
     run_and_check(case, TOL_FP8, two_level=two_level, num_splits=1, config=config)
     run_and_check(case, TOL_FP8_QUERY, two_level=two_level, fp8_query=True, num_splits=2, config=config)
 
@@ -213,15 +217,20 @@ def test_gpu_realistic_shapes(device: str, fmt: str, geometry: str) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_two_level_bounds_long_context_error(device: str) -> None:
-    """Positive-weighted P.V over 128k positions in one split: two-level keeps the error flat."""
+@pytest.mark.parametrize("config", ["default", "swapped"])
+def test_gpu_two_level_bounds_long_context_error(device: str, config: str) -> None:
+    """Positive-weighted P.V over 128k positions in one split: two-level keeps the error flat.
+
+    "swapped" runs P.V as an fp8 wgmma, the form whose in-MMA accumulation is short of fp32.
+    """
     errs = {}
     for n in (4096, 131072):
         case = make_case(device, [n], 8, 1, 128, "fp8", per_head=True, value_offset=1.0)
         ref = ref_decode_attention(**case)
         for two_level in (True, False):
-            out = decode_attention(**case, two_level=two_level, num_splits=1, out=torch.empty(1, 8, 128, device=device))
+            out = decode_attention(**case, two_level=two_level, num_splits=1, config=CONFIGS[config],
+                                   out=torch.empty(1, 8, 128, device=device))
             errs[n, two_level] = rel_err(out, ref)
-    print("two-level errors:", {k: f"{v:.2e}" for k, v in errs.items()})
+    print(f"two-level errors ({config}):", {k: f"{v:.2e}" for k, v in errs.items()})
     assert errs[131072, True] <= 2 * errs[4096, True]
     assert errs[131072, True] < 1e-2

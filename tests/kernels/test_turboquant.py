@@ -215,22 +215,22 @@ def test_k3_program_looks_up_sign_magnitude_centroids() -> None:
         assert torch.equal(outs[s].view(torch.int16), cb[code].view(torch.int16)), f"quarter {s}"
 
 
-def test_v4_program_gives_offset_codes() -> None:
+def test_v4_program_gives_codes() -> None:
     x = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
     lo, hi = _outputs(emulate_ptx(v4_program(), {"$4": x}), 2)
     b = _bytes(x)
-    assert torch.equal(lo.double(), 1024.0 + (b & 15).double())
-    assert torch.equal(hi.double(), 1024.0 + 16.0 * (b >> 4).double())
+    assert torch.equal(lo.double(), (b & 15).double())
+    assert torch.equal(hi.double(), 16.0 * (b >> 4).double())
 
 
-def test_v3_program_gives_offset_codes() -> None:
+def test_v3_program_gives_codes() -> None:
     p2 = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
     high = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
     outs = _outputs(emulate_ptx(v3_program(), {"$8": p2, "$9": high}), 4)
     b2, bh = _bytes(p2), _bytes(high)
     for s in range(4):
         code = ((b2 >> (2 * s)) & 3) | (((bh >> (2 * s)) & 1) << 2)
-        assert torch.equal(outs[s].double(), 1024.0 + 4.0**s * code.double()), f"quarter {s}"
+        assert torch.equal(outs[s].double(), 4.0**s * code.double()), f"quarter {s}"
 
 
 def test_render_ptx_declares_temporaries() -> None:

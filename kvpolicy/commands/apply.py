@@ -1,0 +1,230 @@
+"""`kvpolicy apply`: turn a decision into a running vLLM server, validated by vLLM itself.
+
+The decision becomes a `vllm serve` argument list spelled for the target vLLM
+version (`kvpolicy.vllm_flags`); the user's flags after `--` win. The installed
+vLLM's own parser and CacheConfig check it (`kvpolicy.vllm_launch`); then
+`--dry-run` prints it, `--emit-config` writes it as a `vllm serve --config` file,
+and otherwise vLLM replaces this process. Notes go to stderr, the command of a
+dry run to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvpolicy.commands.common import add_deployment_args
+from kvpolicy.errors import InputError, PolicyFailure
+
+if TYPE_CHECKING:
+    from kvpolicy.arch import ModelArch
+    from kvpolicy.decision import Recommendation
+
+
+def add_target_args(parser: argparse.ArgumentParser) -> None:
+    """--model/--gpu and the workload (or --deployment), shared with `calibrate`."""
+    add_deployment_args(parser, model_required=False)
+    parser.add_argument("--deployment", "-d", metavar="NAME",
+                        help="a deployment from the policy's `deployments:` (gives model, GPU and workload)")
+
+
+def configure(name: str, parser: argparse.ArgumentParser) -> None:
+    """Options of apply."""
+    from kvpolicy.vllm_launch import PYTHON_ENV
+
+    add_target_args(parser)
+    parser.add_argument("--dry-run", action="store_true", help="print the vLLM command instead of starting it")
+    parser.add_argument("--emit-config", metavar="FILE", help="write a YAML file for `vllm serve --config FILE` "
+                        "instead of starting vLLM")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse (exit 1) when stock vLLM cannot carry out the decision")
+    parser.add_argument("--vllm-version", metavar="VER",
+                        help="spell the flags for this vLLM version (default: the installed one)")
+    parser.add_argument("--vllm-python", metavar="PATH",
+                        help=f"python of the environment that has vLLM (default: ${PYTHON_ENV}, else this one)")
+    parser.add_argument("--no-validate", action="store_true", help="skip vLLM's own check of the arguments")
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER,
+                        help="after `--`: more `vllm serve` flags; a flag given here wins over the decision's")
+    parser.epilog = (
+        "Examples:\n"
+        "  kvpolicy apply -m llama-3.1-8b-instruct -g h100 -c 128k -- --port 8000\n"
+        "  kvpolicy apply -m gpt-oss-20b -g h100 --dry-run\n"
+        "  kvpolicy apply -p team.yaml -d chat --emit-config chat.yaml"
+    )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def user_vllm_args(raw: list[str]) -> list[str]:
+    """The flags after `--`; a stray word before it is a usage error."""
+    if not raw:
+        return []
+    if raw[0] != "--":
+        raise InputError(f"unexpected `{raw[0]}`: put vLLM's own flags after `--`, "
+                         "e.g. `kvpolicy apply -m M -g G -- --port 8000`.")
+    return raw[1:]
+
+
+def user_config_keys(user_args: list[str], emit_config: str | None) -> dict[str, str]:
+    """Flags set by the user's own `--config FILE` after `--`, as `--key` -> `key in FILE`."""
+    from kvpolicy.vllm_flags import canonical_flag, option_groups
+
+    files = [tokens[0].split("=", 1)[1] if "=" in tokens[0] else (tokens[1:] or [""])[0]
+             for flag, tokens in option_groups(user_args) if flag == "--config"]
+    if not files:
+        return {}
+    if emit_config:
+        raise InputError(f"--emit-config cannot wrap your own --config {files[0]}: merge it into the written "
+                         "file or pass its flags after `--`.")
+    from kvpolicy.yamlio import load_safe
+
+    try:
+        data = load_safe(Path(files[0]).read_text(encoding="utf-8"), files[0])
+    except OSError as exc:
+        raise InputError(f"--config {files[0]} (after `--`): cannot read it ({exc.strerror}).") from None
+    if not isinstance(data, dict):
+        raise InputError(f"--config {files[0]}: expected a mapping of vLLM option names to values.")
+    return {canonical_flag(f"--{key}") or f"--{key}": f"{key} in {files[0]}" for key in data}
+
+
+def decide(args: argparse.Namespace) -> tuple[Recommendation, ModelArch, str]:
+    """The recommendation for --model/--gpu or --deployment, its model, and the model as vLLM loads it."""
+    from kvpolicy.commands.common import resolve_inputs
+    from kvpolicy.recommend import recommend
+
+    if args.deployment:
+        from kvpolicy.policy.deployments import deployment_inputs, find_deployment
+        from kvpolicy.policy.loader import load_policy
+
+        if args.model or args.gpu:
+            raise InputError("--deployment gives the model and GPU: leave out --model and --gpu, or the deployment.")
+        loaded = load_policy(args.policy)
+        arch, gpu, workload = deployment_inputs(loaded, find_deployment(loaded, args.deployment))
+    else:
+        if not args.model or not args.gpu:
+            raise InputError("name the target: --model and --gpu (e.g. `--model gpt-oss-20b --gpu h100`), "
+                             "or --deployment NAME from the policy.")
+        inputs = resolve_inputs(args)
+        arch, gpu, workload, loaded = inputs.arch, inputs.gpu, inputs.workload, inputs.loaded
+    rec = recommend(arch, gpu, workload, loaded)
+    return rec, arch, model_for_vllm(arch, args.model)
+
+
+def model_for_vllm(arch: ModelArch, spec: str | None) -> str:
+    """A local checkpoint's absolute folder, else the Hugging Face id (or the name as given)."""
+    source = Path(arch.source) if arch.source else None
+    if source is not None and source.name == "config.json" and source.is_file():
+        return str(source.resolve().parent)
+    return arch.hf_id or spec or arch.id
+
+
+def stock_gaps(rec: Recommendation, arch: ModelArch, model_ref: str) -> list[str]:
+    """What stock vLLM cannot carry out of this decision, each with what it needs."""
+    from kvpolicy.calibrate import scale_gap
+
+    decision = rec.decision
+    gaps = []
+    if decision.two_level_accumulation == "off":
+        gaps.append("two-level accumulation off: stock vLLM FA3 FP8 builds always use it; turning it off needs a "
+                    "custom vllm-flash-attn build with FLASH_ATTENTION_DISABLE_FP8_TWO_LEVEL_ACCUMULATION=TRUE.")
+    scales = scale_gap(decision, model_ref)
+    if scales:
+        gaps.append(scales)
+    if decision.scale_source == "checkpoint_per_head" and decision.attention_backend not in (None, "FLASH_ATTN"):
+        gaps.append(f"per-head FP8 scales work only with FLASH_ATTN, not {decision.attention_backend}.")
+    if decision.kv_cache_dtype.startswith("turboquant") and arch.is_hybrid:
+        gaps.append(f"{decision.kv_cache_dtype} on {arch.id}: vLLM's TurboQuant has no support for hybrid or "
+                    "sliding-window models (vLLM issue #50709); use fp8 or keep BF16.")
+    return gaps
+
+
+def _note(text: str) -> None:
+    sys.stderr.write(f"kvpolicy apply: {text}\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build, check and launch (or print / write) the vLLM command for the decision."""
+    from kvpolicy.vllm_flags import (LATEST_KNOWN, environment_notes, format_version, merge_user_args, option_groups,
+                                     parse_version, plan_flags, realisation, retired_flag)
+    from kvpolicy.vllm_launch import INSTALL_HINT, config_yaml, exec_vllm, find_vllm, shell_line, validate
+
+    user_args = user_vllm_args(args.vllm_args)
+    for flag, tokens in option_groups(user_args):
+        if flag is None or flag == "--model":
+            raise InputError(f"`{' '.join(tokens)}` after `--`: the model comes from --model or the deployment.")
+    rec, arch, model_ref = decide(args)
+    install = find_vllm(args.vllm_python)
+    try:
+        version = parse_version(args.vllm_version) if args.vllm_version else install.version_tuple if install else None
+    except ValueError as exc:
+        raise InputError(f"--vllm-version: {exc}.") from None
+    for flag, _ in option_groups(user_args):
+        problem = retired_flag(flag, version or LATEST_KNOWN)
+        if problem:
+            raise InputError(problem)
+    plan = plan_flags(rec.decision, rec.workload, version)
+    flags, overrides = merge_user_args(plan, user_args, config_keys=user_config_keys(user_args, args.emit_config))
+    command = (install.serve_command(model_ref) if install else ["vllm", "serve", model_ref]) + flags
+    gaps = plan.gaps + stock_gaps(rec, arch, model_ref)
+
+    d = rec.decision
+    skips = ", ".join(d.skip_layers) or "none"
+    _note(f"{rec.model} on {rec.gpu}, policy {rec.policy}: kv-cache-dtype {d.kv_cache_dtype}, skip layers {skips}, "
+          f"backend {d.attention_backend or 'chosen by vLLM'}")
+    if realisation(d):
+        _note(realisation(d))
+    target = format_version(version) if version else f"newest known ({format_version(LATEST_KNOWN)})"
+    where = f"{install.distribution} {install.version} in {install.python}" if install else "not installed here"
+    _note(f"flags spelled for vLLM {target}; vLLM: {where}")
+    if install and version and version != install.version_tuple:
+        _note(f"warning: --vllm-version {args.vllm_version} differs from the installed vLLM {install.version}")
+    for line in plan.notes + environment_notes(dict(os.environ), version) + overrides + \
+            [f"warning: {w}" for w in rec.warnings]:
+        _note(line)
+    for gap in gaps:
+        _note(f"warning: stock vLLM cannot carry out: {gap}")
+    if args.strict and gaps:
+        raise PolicyFailure("--strict: not launching, stock vLLM cannot carry out this decision: " + " ".join(gaps))
+
+    launching = not (args.dry_run or args.emit_config)
+    if launching and install is None:
+        raise InputError(f"vLLM is not installed in this environment ({sys.executable}): {INSTALL_HINT}. "
+                         "--dry-run and --emit-config work without it.")
+    if args.emit_config:
+        header = (f"vllm serve config written by kvpolicy apply: {rec.model} on {rec.gpu}, policy {rec.policy}\n"
+                  f"Start: {shell_line(_config_start(install, args.emit_config))}")
+        try:
+            Path(args.emit_config).write_text(config_yaml(model_ref, flags, header=header, env=plan.env),
+                                              encoding="utf-8")
+        except OSError as exc:
+            raise InputError(f"--emit-config {args.emit_config}: cannot write it ({exc.strerror}).") from None
+    if install is None:
+        _note(f"not validated: vLLM is not installed here ({INSTALL_HINT})")
+    elif args.no_validate:
+        _note("not validated (--no-validate)")
+    else:
+        try:
+            checked = validate(install, model_ref, flags, config=args.emit_config, env=plan.env)
+        except InputError:
+            if args.emit_config:  # leave no file vLLM would refuse
+                Path(args.emit_config).unlink(missing_ok=True)
+            raise
+        cpu = " (no GPU here: checked for the CPU platform)" if checked.forced_cpu else ""
+        _note(f"validated by vLLM {checked.version}: {', '.join(checked.checked)}{cpu}")
+    if args.emit_config:
+        start = shell_line(_config_start(install, args.emit_config), plan.env)
+        _note(f"wrote {args.emit_config}; start vLLM with: {start}")
+    if args.dry_run:
+        print(shell_line(command, plan.env))
+    if launching:
+        _note(f"starting: {shell_line(command, plan.env)}")
+        exec_vllm(command, plan.env)
+    return 0
+
+
+def _config_start(install, path: str) -> list[str]:  # noqa: ANN001 - VllmInstall | None
+    """The command that starts vLLM from an emitted config file (the model is in the file)."""
+    prefix = install.serve_command(None) if install else ["vllm", "serve"]
+    return [*prefix, "--config", path]

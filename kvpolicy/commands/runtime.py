@@ -1,0 +1,323 @@
+"""`kvpolicy bench` and `kvpolicy verify`: the embedded runtime on the user's GPU (or the CPU references).
+
+Nothing heavy is imported here: torch, triton and transformers load inside
+`run`, through `kvpolicy.runtime`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpolicy.commands.common import positive_int, unit_float
+from kvpolicy.errors import InputError
+
+GPU_CONTEXTS = {"bench": "1k..128k", "verify": "4k..128k"}
+"""Default --contexts on a GPU (the documents' range)."""
+CPU_CONTEXTS = {"bench": "256..1k", "verify": "512..2k"}
+"""Default --contexts on the CPU: the torch references on small shapes."""
+
+
+def configure(name: str, parser: argparse.ArgumentParser) -> None:
+    """Options of bench / verify."""
+    parser.add_argument("--model", "-m", required=True,
+                        help="catalog id (llama-3.1-8b), HF id, or a local model folder / config.json "
+                             "(verify: a folder with weights adds the model-level check)")
+    parser.add_argument("--gpu", "-g", default="auto",
+                        help="GPU the decision is for: `auto` (default) detects the local GPU; on a machine "
+                             "without one, name the target GPU (h100, h200...)")
+    parser.add_argument("--policy", "-p", default=None, help="policy file (default builtin:default)")
+    parser.add_argument("--contexts", default=None,
+                        help=f"context lengths: `1k..128k` (doubling) or a list `4k,32k,128k` (default "
+                             f"{GPU_CONTEXTS[name]} on a GPU, {CPU_CONTEXTS[name]} on the CPU)")
+    parser.add_argument("--compare", action="append", default=[], metavar="VARIANTS",
+                        help="more variants beside BF16 and the decision, comma separated: fp8, "
+                             "fp8_skip_sliding, turboquant_4bit_nc, ...; FP8 modifiers +one_level, +per_head, "
+                             "+per_tensor (e.g. fp8+one_level)")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="auto (default): the Triton kernels on CUDA when present, else the torch references")
+    parser.add_argument("--out", "-o", default="kvpolicy-results", help="folder for the JSON (and PNG) results")
+    parser.add_argument("--format", "-f", choices=["table", "json"], default="table", help="what to print")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the synthetic K/V (default 0)")
+    if name == "bench":
+        parser.add_argument("--batch", "-b", default="1",
+                            help="batch sizes, comma separated (default 1: the documents' single request)")
+        parser.add_argument("--record", metavar="FILE", default=None,
+                            help="write the measured slopes and break-even into this policy file as evidence "
+                                 "(created, extending builtin:default, when missing)")
+        parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+        parser.epilog = ("Example: kvpolicy bench --model llama-3.1-8b --contexts 1k..128k --record "
+                         "policies/measured.yaml\n         kvpolicy recommend -m llama-3.1-8b -g auto "
+                         "--policy policies/measured.yaml")
+    else:
+        parser.add_argument("--batch", "-b", type=positive_int("--batch"), default=None,
+                            help="sequences per context (default 4 on a GPU, 2 on the CPU)")
+        parser.add_argument("--accuracy-floor", type=unit_float("--accuracy-floor"), default=None,
+                            help="recovery below this fails (default: the policy's, 0.95)")
+        parser.add_argument("--text", type=Path, default=None,
+                            help="text for the model-level check (needs a tokenizer in the model folder)")
+        parser.add_argument("--tokens", type=positive_int("--tokens"), default=None,
+                            help="tokens of text for the model-level check (default 512 on a GPU, 64 on the CPU)")
+        parser.epilog = "Example: kvpolicy verify --model gpt-oss-20b --compare turboquant_4bit_nc"
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def parse_contexts(text: str) -> list[int]:
+    """`1k..128k` -> 1024, 2048, ..., 131072; `4k,32k` -> 4096, 32768; both forms mix."""
+    from kvpolicy.recommend import parse_tokens
+
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if ".." in part:
+            lo_text, hi_text = part.split("..", 1)
+            lo, hi = parse_tokens(lo_text, "--contexts"), parse_tokens(hi_text, "--contexts")
+            if lo > hi:
+                raise InputError(f"--contexts `{part}`: the range runs from {lo} down to {hi}; write it low..high.")
+            x = lo
+            while x < hi:
+                out.append(x)
+                x *= 2
+            out.append(hi)
+        else:
+            out.append(parse_tokens(part, "--contexts"))
+    if not out:
+        raise InputError("--contexts: no context given; write e.g. 1k..128k or 4k,32k,128k.")
+    return sorted(set(out))
+
+
+def parse_batches(text: str) -> list[int]:
+    """`1,8` -> [1, 8]."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--batch `{text}`: write whole numbers separated by commas, e.g. 1,8.") from None
+    if not values or any(v <= 0 for v in values):
+        raise InputError(f"--batch `{text}`: batch sizes must be positive, e.g. 1,8.")
+    return sorted(set(values))
+
+
+def _resolve(args: argparse.Namespace, longest: int) -> tuple[Any, Any, Any, Any]:
+    """(arch, gpu, loaded policy, recommendation at the longest context)."""
+    import torch
+
+    from kvpolicy.catalog import resolve_gpu, resolve_model
+    from kvpolicy.policy.loader import load_policy
+    from kvpolicy.recommend import make_workload, recommend
+
+    loaded = load_policy(args.policy)
+    arch = resolve_model(args.model)
+    if args.gpu == "auto" and args.device != "cpu" and torch.cuda.is_available():
+        gpu = resolve_gpu(torch.cuda.get_device_name(0), where="--gpu auto")
+    else:
+        gpu = resolve_gpu(args.gpu)
+    floor = getattr(args, "accuracy_floor", None)
+    workload = make_workload(loaded, context=longest, accuracy_floor=floor)
+    return arch, gpu, loaded, recommend(arch, gpu, workload, loaded)
+
+
+def _progress(total: int, label: str) -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    progress = Progress(SpinnerColumn(), TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.description}"),
+                        console=Console(stderr=True), transient=True)
+    return progress
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run bench or verify."""
+    from kvpolicy.runtime.step import pick_backend
+
+    device, backend = pick_backend(args.device)
+    default = (GPU_CONTEXTS if backend == "triton" else CPU_CONTEXTS)[args.command]
+    contexts = parse_contexts(args.contexts or default)
+    arch, gpu, loaded, rec = _resolve(args, max(contexts))
+    compare = [c for item in args.compare for c in item.split(",")]
+    out_dir = Path(args.out)
+    if args.command == "bench":
+        return _bench(args, arch, gpu, loaded, rec, contexts, compare, device, backend, out_dir)
+    return _verify(args, arch, gpu, loaded, rec, contexts, compare, device, backend, out_dir)
+
+
+def _bench(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any, contexts: list[int],
+           compare: list[str], device: Any, backend: str, out_dir: Path) -> int:
+    from kvpolicy.runtime.bench import run_bench
+    from kvpolicy.runtime.plot import INSTALL_HINT, have_matplotlib, plot_bench
+    from kvpolicy.runtime.variants import variant_list
+
+    batches = parse_batches(args.batch)
+    # The engine's break-even facts read the fp8 (and, with sliding layers, fp8_skip_sliding) lines of a
+    # model's ITL evidence: always measure those, so that --record can feed them.
+    facts_variants = ["fp8", "fp8_skip_sliding"] if arch.count("sliding") else ["fp8"]
+    variants = variant_list(rec.decision, [*compare, *facts_variants])
+    record = Path(args.record) if args.record else None
+    if record is not None and backend == "triton":
+        import torch
+
+        from kvpolicy.catalog import resolve_gpu
+
+        here = resolve_gpu(torch.cuda.get_device_name(device), where="the local GPU")
+        if here.id != gpu.id:
+            raise InputError(f"--record: this run measures {here.name} (`{here.id}`), but --gpu names `{gpu.id}`; "
+                             "evidence must name the GPU it was measured on. Use --gpu auto.")
+    total = len(variants) * len(batches) * len(contexts)
+    with _progress(total, "bench") as progress:
+        task = progress.add_task("", total=total)
+
+        def step(desc: str) -> None:
+            progress.update(task, advance=1, description=desc)
+
+        result = run_bench(arch, gpu, rec.decision, variants, contexts, batches, device, backend,
+                           policy_label=loaded.label, on_point=step, seed=args.seed)
+    stem = f"bench-{arch.id}-{gpu.id}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{stem}.json"
+    notes = []
+    png_path = None
+    if not args.no_plot:
+        if have_matplotlib():
+            png_path = out_dir / f"{stem}.png"
+            plot_bench(result, png_path)
+        else:
+            notes.append(f"no plot: {INSTALL_HINT}")
+    recorded = None
+    if record is not None and backend != "triton":
+        result.warnings.append(f"--record writes CPU reference timings into {record}: use it for tests only.")
+    json_path.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    if record is not None:
+        from kvpolicy.runtime.record import record_bench
+
+        recorded = record_bench(result, record)
+    if args.format == "json":
+        print(result.model_dump_json(indent=2))
+    else:
+        _print_bench(result)
+    err = sys.stderr
+    err.write(f"JSON: {json_path}\n" + (f"plot: {png_path}\n" if png_path else ""))
+    for n in notes:
+        err.write(n + "\n")
+    if recorded:
+        err.write(f"recorded evidence `{recorded}` in {record}: `kvpolicy recommend --model {arch.id} --gpu "
+                  f"{gpu.id} --policy {record}` now uses these numbers.\n")
+    return 0
+
+
+def _print_bench(result: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    env = result.environment
+    console.print(f"[bold]{result.model}[/] on [bold]{env.device}[/] ({env.backend}); decision "
+                  f"[bold]{result.decision.kv_cache_dtype}[/] skip {result.decision.skip_layers or '[]'}; "
+                  f"{result.timing}")
+    table = Table(title="ITL = slope x context + intercept (decode-step attention, all layers)")
+    for col in ("variant", "batch", "slope ms/token", "intercept ms", "slope vs BF16", "break-even tokens", "r2"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for f in result.fits:
+        be = "-" if f.slope_ratio is None else ("never" if f.break_even_tokens is None else f"{f.break_even_tokens:,.0f}")
+        table.add_row(f.variant, str(f.batch), f"{f.slope_ms_per_token:.3e}", f"{f.intercept_ms:.4f}",
+                      "-" if f.slope_ratio is None else f"{f.slope_ratio:.1%}", be, f"{f.r2:.4f}")
+    console.print(table)
+    for w in result.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+
+
+def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any, contexts: list[int],
+            compare: list[str], device: Any, backend: str, out_dir: Path) -> int:
+    from kvpolicy.runtime.variants import variant_list
+    from kvpolicy.runtime.verify import run_verify, with_calibrated_twins
+
+    # The needle runs on a full-attention layer, where skip-layer variants store the same format as their
+    # plain twin: one run per distinct (format, switches).
+    variants, seen = [], set()
+    for v in with_calibrated_twins(variant_list(rec.decision, compare)):
+        if (v.kv_cache_dtype, v.two_level, v.scale_source) not in seen:
+            seen.add((v.kv_cache_dtype, v.two_level, v.scale_source))
+            variants.append(v)
+    batch = args.batch or (4 if backend == "triton" else 2)
+    total = len(variants) * len(contexts)
+    with _progress(total, "verify") as progress:
+        task = progress.add_task("", total=total)
+
+        def step(desc: str) -> None:
+            progress.update(task, advance=1, description=desc)
+
+        result = run_verify(arch, gpu, rec.decision, variants, contexts, batch, device, backend,
+                            accuracy_floor=rec.workload.accuracy_floor, policy_label=loaded.label,
+                            on_point=step, seed=args.seed)
+    _model_check(args, arch, variants, device, backend, result)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"verify-{arch.id}-{gpu.id}.json"
+    json_path.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    if args.format == "json":
+        print(result.model_dump_json(indent=2))
+    else:
+        _print_verify(result)
+    sys.stderr.write(f"JSON: {json_path}\n")
+    return 0
+
+
+def _model_check(args: argparse.Namespace, arch: Any, variants: list[Any], device: Any, backend: str,
+                 result: Any) -> None:
+    from kvpolicy.runtime.hfcheck import has_weights
+
+    folder = Path(args.model).expanduser()
+    if folder.is_file():
+        folder = folder.parent
+    if not has_weights(folder):
+        result.model_check_note = ("skipped: --model is not a local Hugging Face folder with weights "
+                                   "(pass one, with transformers installed, for next-token agreement and KL)")
+        return
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        result.model_check_note = "skipped: transformers is not installed (pip install transformers)"
+        return
+    from kvpolicy.runtime.hfcheck import run_model_check
+
+    tokens = args.tokens or (512 if backend == "triton" else 64)
+    checks, note = run_model_check(folder, arch, [v for v in variants], device, backend, args.text, tokens,
+                                   args.seed)
+    result.model_check = checks
+    result.model_check_note = note
+
+
+def _print_verify(result: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    env, g = result.environment, result.geometry
+    console.print(f"[bold]{result.model}[/] needle test on [bold]{env.device}[/] ({env.backend}): layer "
+                  f"{g['layer']} ({g['kind']}, {g['num_q_heads']} query heads, {g['num_kv_heads']} KV heads, "
+                  f"head_dim {g['head_dim']}), {result.batch} sequences per context")
+    table = Table(title="needle recovery vs BF16 (hits / trials; output error vs float64)")
+    table.add_column("variant")
+    for c in result.contexts:
+        table.add_column(f"{c // 1024}k" if c % 1024 == 0 else str(c), justify="right")
+    for name in dict.fromkeys(p.variant for p in result.points):
+        row = [name]
+        for c in result.contexts:
+            p = next((p for p in result.points if p.variant == name and p.context_tokens == c), None)
+            row.append("-" if p is None else f"{p.recovery:.1%} ({p.hits}/{p.trials}) err {p.out_rel_error:.1e}")
+        table.add_row(*row)
+    console.print(table)
+    colors = {"pass": "green", "calibrate": "yellow", "keep_bf16": "red", "not_applicable": "dim"}
+    for v in result.verdicts:
+        console.print(f"[{colors.get(v.verdict, 'white')}]{v.verdict}[/] {v.variant}: {v.reason}")
+    if result.model_check:
+        t = Table(title="model-level check: next-token agreement and KL vs the BF16 cache")
+        for col in ("variant", "tokens", "agreement", "KL mean", "KL max"):
+            t.add_column(col, justify="left" if col == "variant" else "right")
+        for m in result.model_check:
+            t.add_row(m.variant, str(m.tokens), f"{m.agreement:.1%}", f"{m.kl_mean:.3g}", f"{m.kl_max:.3g}")
+        console.print(t)
+    console.print(f"model-level check: {result.model_check_note}")
+    for w in result.warnings:
+        console.print(f"[yellow]warning:[/] {w}")

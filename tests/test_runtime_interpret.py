@@ -1,0 +1,51 @@
+"""The runtime's Triton path under the Triton interpreter: the kernel calls the GPU makes, checked on a CPU.
+
+`kvpolicy bench/verify` use the torch references on a CPU; this test drives the
+other branch of `runtime/ops.py` (store and decode kernels, scales, windows,
+sinks, ring block tables, TurboQuant) on tiny shapes, so wiring mistakes show
+up in CI rather than on the GPU. Where a GPU exists, test_runtime_gpu.py does this.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the runtime needs torch")
+pytest.importorskip("triton", reason="the Triton path needs triton")
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: test_runtime_gpu.py covers the Triton path", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from kvpolicy.arch import ModelArch  # noqa: E402
+from kvpolicy.runtime import ops  # noqa: E402
+from kvpolicy.runtime.step import DecodeStep  # noqa: E402
+from kvpolicy.runtime.variants import parse_variant  # noqa: E402
+
+CPU = torch.device("cpu")
+# Interpreter output vs the float64 reference on the same cache bytes. The interpreter computes fp8 dots
+# exactly (fp16 upcast), so FP8 error is the e4m3 rounding of P (a few percent); BF16 stays near 1e-2.
+TOLERANCE = {"bf16": 2e-2, "fp8+per_head": 6e-2, "turboquant_4bit_nc": 4e-2}
+
+
+@pytest.mark.parametrize("variant", list(TOLERANCE))
+def test_triton_branch_agrees_with_the_reference_branch(variant):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("kernel modules were imported before TRITON_INTERPRET could be set")
+    torch.manual_seed(0)
+    arch = ModelArch(id="mini-oss", num_layers=6, layer_types=["sliding", "full"] * 3, num_attention_heads=4,
+                     num_kv_heads=2, head_dim=64, sliding_window=48, has_attention_sinks=True)
+    step = DecodeStep(arch, parse_variant(variant), batch=2, max_context=200, device=CPU, backend="triton")
+    step.fill(200)
+    step.prepare(150)
+    step.run()
+    prep = step._prepared
+    for plan in step.plans:
+        if plan.index not in (2, 3):  # TurboQuant keeps layers 0-1 and 4-5 BF16: look where it applies
+            continue
+        cache, q = step.caches[plan.index], step.queries[plan.index].float()
+        got = ops.decode(cache, plan, q, prep.block_tables[plan.index], prep.seq_lens, "triton")
+        want = ops.decode(cache, plan, q, prep.block_tables[plan.index], prep.seq_lens, "reference")
+        err = float((got - want).norm() / want.norm())
+        assert err < TOLERANCE[variant], f"layer {plan.index} ({plan.kind}): {err:.2e}"

@@ -13,7 +13,8 @@ Two orientations of the same math (`DecodeConfig.swap_ab`):
 - swapped: S^T = K.Q^T and O^T = V^T.P^T, so M is the KV tile (BLOCK_N) or the
   head dim, both multiples of 64: wgmma, and for FP8 the fp8 wgmma whose
   in-MMA accumulation keeps only about 14 mantissa bits. That is the form where
-  the two-level toggle matters.
+  the two-level toggle matters. On the H200 it was slower than the standard form,
+  which is the default (bench/NOTES.md).
 
 FP8 caches: K is upcast to fp16 for Q.K^T, or the query is quantised to e4m3
 per program (`fp8_query`) and the product runs in fp8. P.V always runs with P
@@ -37,7 +38,7 @@ from kvpolicy.kernels.paged_store import fp8_e4m3_bits
 LOG2E = tl.constexpr(1.4426950408889634)
 P_SCALE = tl.constexpr(256.0)
 """Softmax probabilities (<= 1) are multiplied by this before the e4m3 cast, so
-small ones land in e4m3's normal range (>= 2**-6) rather than its 3-value subnormals."""
+small ones land in e4m3's normal range (>= 2**-6) rather than its coarse subnormals."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,8 @@ def default_config(head_dim: int, kv_fp8: bool, device: torch.device, fp8_query:
         # The interpreter runs programs one after another in numpy: few, large tiles.
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, swap_ab=False, programs_per_sm=1.0, min_tokens_per_split=128)
     # Triton gives each K/V load one buffer here, so a program has one tile in
-    # flight: keep the tile at 16K elements (32 KB of BF16 K+V per 64 dims) for
-    # every head_dim, which is what reached the memory floor at head_dim 128.
+    # flight: keep block_n x head_dim at 16K elements (64 KB of BF16 K+V) for
+    # every head_dim, the size that reached the memory floor at head_dim 128.
     block_n = max(32, min(256, 16384 // head_dim))
     if kv_fp8:
         # FP8 is instruction-bound (NOTES.md v2): more, shorter programs balance better.
@@ -423,7 +424,9 @@ def decode_attention(
     `sliding_window` of them when given). `sinks` (fp32 [num_q_heads]) are logits
     that join the softmax denominator only. K/V dequantise as stored * scale.
     `two_level` adds each tile's P.V into an fp32 accumulator (True) or carries
-    the accumulation inside the MMA (False). `fp8_query` quantises the query to
+    the accumulation inside the MMA (False); on Hopper only the swapped form's
+    fp8 MMA loses precision when it carries (the default form promotes fp8 to
+    fp16 and accumulates in fp32 either way). `fp8_query` quantises the query to
     e4m3 (FP8 caches only). `num_splits` overrides the split-KV heuristic, which
     uses the block table's capacity, not `seq_lens`, so the call needs no host
     sync and can be captured in a CUDA graph. `out` (query dtype or float32) is
@@ -431,7 +434,7 @@ def decode_attention(
     """
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     batch, num_q_heads, head_dim = query.shape
-    num_blocks, page_size, num_kv_heads, _ = key_cache.shape
+    _, page_size, num_kv_heads, _ = key_cache.shape
     device = query.device
     kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
     if fp8_query and not kv_fp8:

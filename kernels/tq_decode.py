@@ -2,20 +2,24 @@
 
 One program takes the query heads of one KV head (padded to BLOCK_M >= 16 rows
 so the products run on tensor cores), one sequence, and one split of its
-context. Per tile of BLOCK_N tokens it loads only the packed bytes:
+context. Per tile of BLOCK_N tokens it loads only the packed bytes, with one
+64-bit base per page and compile-time row offsets:
 
 - keys: the query was rotated once (Pi q, folded with sm_scale*log2(e)), so a
-  centroid key never needs the inverse rotation. Codes unpack in registers
-  into fp16 centroids by a 16-entry table (L1-resident) and go straight into
-  `tl.dot`; the per-token norm multiplies the score column. FP8 keys convert
-  to fp16 in registers.
+  centroid key never needs the inverse rotation. Sign-magnitude codes unpack
+  in registers: a short PTX program (`turboquant.k4_program`, `k3_program`)
+  reads the fp16 magnitudes from a 2-4 register table with byte permutes and
+  XORs the sign; the fp16 centroids go straight into `tl.dot`, and the
+  per-token norm multiplies the score column. FP8 keys convert in registers.
 - values: never dequantized. sum_j p_j (code_j * scale_j + zero_j) =
   dot(p * scale, codes) + sum_j p_j zero_j, so the scale folds into P (one
-  multiply per score) and the zero point into a per-row scalar.
+  multiply per score) and the zero point into a per-row scalar; the codes
+  become exact fp16 integers by a mantissa trick (`v4_program`, `v3_program`).
 
-Nothing dequantized is ever written to memory. With several splits each
-program writes a normalised partial output and its base-2 log-sum-exp, and
-`_tq_merge_kernel` combines them (and the sinks).
+Under the Triton interpreter (no PTX) the same values come from pure-Triton
+code (`ASM=False`). Nothing dequantized is ever written to memory. With
+several splits each program writes a normalised partial output and its base-2
+log-sum-exp, and `_tq_merge_kernel` combines them (and the sinks).
 """
 
 from __future__ import annotations

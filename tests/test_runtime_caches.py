@@ -147,3 +147,16 @@ def test_variants_parse_and_name():
     for bad in ("fp9", "fp8+fast", "turboquant_4bit_nc+per_head", "fp8_e5m2"):
         with pytest.raises(InputError):
             parse_variant(bad)
+
+
+def test_fill_writes_every_slot_a_shorter_context_can_read():
+    step = DecodeStep(small_hybrid(), Variant("auto"), batch=2, max_context=200, device=CPU, backend="reference")
+    for c in step.caches:
+        c.key_cache.fill_(float("nan"))
+        c.value_cache.fill_(float("nan"))
+    step.fill(200)
+    for context in (41, 150, 200):
+        step.prepare(context)
+        assert torch.isfinite(step.run()).all()
+    ring = step.caches[0].key_cache
+    assert not torch.isnan(ring).any()  # sliding layers: the whole ring holds data

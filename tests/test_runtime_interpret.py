@@ -13,10 +13,11 @@ import os
 import pytest
 
 torch = pytest.importorskip("torch", reason="the runtime needs torch")
-pytest.importorskip("triton", reason="the Triton path needs triton")
 if torch.cuda.is_available():
     pytest.skip("a GPU is present: test_runtime_gpu.py covers the Triton path", allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+# Before triton itself is imported: triton reads its knobs from the environment at import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="the Triton path needs triton")
 
 from kvpolicy.arch import ModelArch  # noqa: E402
 from kvpolicy.runtime import ops  # noqa: E402

@@ -105,11 +105,14 @@ class DecodeStep:
                 ops.store(c, key.contiguous(), value.contiguous(), slots, self.backend)
 
     def _first_kept(self, plan: LayerPlan, context: int) -> int:
-        """First position whose page is still in a sliding layer's ring at this context (0 for full layers)."""
+        """First position a sliding layer's ring still holds at this context (0 for full layers).
+
+        The last ring-size positions cover every slot of the ring once, so a shorter
+        context prepared later never reads a slot that was not written.
+        """
         if plan.window is None:
             return 0
-        pages = pages_per_sequence(plan, self.max_context + 1)
-        return max(0, (math.ceil(context / BLOCK_SIZE) - pages) * BLOCK_SIZE)
+        return max(0, context - pages_per_sequence(plan, self.max_context + 1) * BLOCK_SIZE)
 
     def _set_scales(self, caches: list[LayerCache]) -> None:
         from kvpolicy.kernels.paged_store import compute_kv_scales

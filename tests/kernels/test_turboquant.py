@@ -75,13 +75,14 @@ def test_codebook_satisfies_lloyd_max_conditions(bits: int) -> None:
 @pytest.mark.parametrize("bits", [3, 4])
 def test_codebook_is_a_local_minimum_of_mse(bits: int) -> None:
     cb = lloyd_max_codebook(bits, 1)
-    best = gaussian_mse(cb, 1.0)
+    best = gaussian_mse(cb, 1.0, num_points=50_001)
     for i in range(len(cb)):
         for eps in (-2e-3, 2e-3):
             moved = cb.clone()
             moved[i] += eps
-            # second-order growth ~ p_i * eps^2 ~ 1e-7 at least; quadrature noise is ~1e-12
-            assert gaussian_mse(moved, 1.0) > best + 1e-9
+            # second-order growth ~ p_i * eps^2 >= 1e-8 (smallest cell mass ~2e-3); the quadrature
+            # error of the same grid cancels in the difference to well below that
+            assert gaussian_mse(moved, 1.0, num_points=50_001) > best + 1e-9
 
 
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
@@ -192,7 +193,7 @@ def _bytes(word: torch.Tensor) -> torch.Tensor:
     return torch.stack([(word >> (8 * e)) & 0xFF for e in range(4)], dim=-1)
 
 
-N_WORDS = 50_000
+N_WORDS = 20_000
 
 
 def test_k4_program_looks_up_sign_magnitude_centroids() -> None:

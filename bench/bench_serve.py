@@ -119,9 +119,18 @@ async def httpx_client(port: int, bodies: list[bytes], count: int, latencies: li
                 errors.append(f"answer changed for {body.decode()}")
 
 
-async def run_level(port: int, bodies: list[bytes], clients: int, total: int, kind: str) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc), to separate cost from contention."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_level(port: int, bodies: list[bytes], clients: int, total: int, kind: str, pid: int) -> dict:
     """`total` requests split over `clients` concurrent connections."""
     client = raw_client if kind == "raw" else httpx_client
+    cpu_before = cpu_seconds(pid)
     latencies: list[float] = []
     errors: list[str] = []
     per = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
@@ -131,16 +140,19 @@ async def run_level(port: int, bodies: list[bytes], clients: int, total: int, ki
         client(port, bodies[i * 7 % len(bodies):] + bodies[:i * 7 % len(bodies)], n, latencies, errors)
         for i, n in enumerate(per))), timeout=300)
     wall = time.perf_counter() - start
+    server_cpu_s = cpu_seconds(pid) - cpu_before
     lat = sorted(latencies)
     q = statistics.quantiles(lat, n=100, method="inclusive")
     return {"clients": clients, "requests": total, "ok": len(lat) - len(errors), "errors": len(errors),
             "wall_s": wall, "throughput_rps": total / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
-            "max_ms": lat[-1] * 1e3, "first_error": errors[0] if errors else None}
+            "max_ms": lat[-1] * 1e3, "server_cpu_us_per_request": server_cpu_s / total * 1e6,
+            "server_cpu_share": server_cpu_s / wall, "first_error": errors[0] if errors else None}
 
 
 def summarise(runs: list[dict]) -> dict:
     """Medians over repeated runs of one level (the machine is shared; one run can be unlucky), plus the worst."""
-    med = {k: statistics.median(r[k] for r in runs) for k in ("throughput_rps", "p50_ms", "p99_ms")}
+    med = {k: statistics.median(r[k] for r in runs)
+           for k in ("throughput_rps", "p50_ms", "p99_ms", "server_cpu_us_per_request", "server_cpu_share")}
     return {**runs[0], **med, "runs": len(runs), "requests": sum(r["requests"] for r in runs),
             "errors": sum(r["errors"] for r in runs), "worst_p99_ms": max(r["p99_ms"] for r in runs),
             "max_ms": max(r["max_ms"] for r in runs), "per_run": runs,
@@ -169,13 +181,13 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
     bodies = requests_mix()
     results = []
     try:
-        await run_level(port, bodies, 4, args.warmup, args.client)
+        await run_level(port, bodies, 4, args.warmup, args.client, proc.pid)
         for clients in args.clients:
             runs = []
             for _ in range(args.repeat):
                 stop = asyncio.Event()
                 churner = asyncio.create_task(churn(policy, stop)) if args.reload_churn else None
-                runs.append(await run_level(port, bodies, clients, args.requests, args.client))
+                runs.append(await run_level(port, bodies, clients, args.requests, args.client, proc.pid))
                 if churner is not None:
                     stop.set()
                     runs[-1]["policy_writes"] = await churner
@@ -211,11 +223,13 @@ def main() -> int:
     else:
         print(f"server: kvpolicy serve {args.server_args or '(defaults)'}; client: {args.client}; "
               f"median of {args.repeat} runs per level")
-        print("| clients | requests | errors | throughput (req/s) | p50 (ms) | p99 (ms) | worst p99 (ms) | max (ms) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| clients | requests | errors | throughput (req/s) | p50 (ms) | p99 (ms) | worst p99 (ms) | max (ms) "
+              "| server CPU/request (us) | server CPU share |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in results:
             print(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['throughput_rps']:.0f} | "
-                  f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['worst_p99_ms']:.2f} | {r['max_ms']:.2f} |")
+                  f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['worst_p99_ms']:.2f} | {r['max_ms']:.2f} | "
+                  f"{r['server_cpu_us_per_request']:.0f} | {r['server_cpu_share']:.0%} |")
         if args.reload_churn:
             print(f"policy file rewrites during the runs: {sum(r['policy_writes'] for r in results)}")
     return 1 if any(r["errors"] for r in results) else 0

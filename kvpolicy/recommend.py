@@ -15,7 +15,7 @@ from kvpolicy.errors import InputError
 from kvpolicy.estimates import estimate
 from kvpolicy.facts import build_facts
 from kvpolicy.gpus import GpuSpec
-from kvpolicy.policy.engine import check_references, decide
+from kvpolicy.policy.engine import decide
 from kvpolicy.policy.loader import LoadedPolicy
 from kvpolicy.policy.schema import resolve_threshold
 from kvpolicy.vllm_flags import serve_args
@@ -84,8 +84,8 @@ def _workload_error(exc: Any) -> str:
 
 def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedPolicy) -> Recommendation:
     """Decide the KV cache for one deployment and explain it."""
+    # load_policy() already rejected unknown facts, thresholds and dtypes.
     policy = loaded.policy
-    check_references(policy)
     facts = build_facts(arch, gpu, workload, policy)
     outcome = decide(policy, facts)
     decision = outcome.decision

@@ -116,10 +116,13 @@ class VerifyResult(_Model):
 
 
 def with_calibrated_twins(variants: list[Variant]) -> list[Variant]:
-    """Add the per-head-scale twin of every uncalibrated FP8 candidate (the rule's first remedy)."""
+    """Add the per-head-scale twin of every uncalibrated FP8 candidate (the rule's first remedy).
+
+    One-level accumulation variants are diagnostics (what two-level accumulation buys), not candidates.
+    """
     out = list(variants)
     for v in variants:
-        if v.kind == "fp8" and v.scale_source == "uncalibrated":
+        if v.kind == "fp8" and v.scale_source == "uncalibrated" and v.two_level:
             twin = Variant(v.kv_cache_dtype, v.skip_layers, v.two_level, "checkpoint_per_head")
             if twin not in out:
                 out.insert(out.index(v) + 1, twin)

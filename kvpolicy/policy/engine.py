@@ -26,7 +26,6 @@ from kvpolicy.policy.schema import (
     Compare,
     Condition,
     FactRef,
-    Not,
     Policy,
     Rule,
     ThresholdRef,

@@ -10,14 +10,20 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="the runtime needs torch (pip install -e .[kernels])")
 
-from kvpolicy.arch import ModelArch, layer_kv_bytes_per_token  # noqa: E402
-from kvpolicy.catalog import resolve_model  # noqa: E402
-from kvpolicy.errors import InputError  # noqa: E402
-from kvpolicy.estimates import Layout  # noqa: E402
-from kvpolicy.runtime import ops  # noqa: E402
-from kvpolicy.runtime.caches import BLOCK_SIZE, allocate, pages_per_sequence, plan_layers, slots_for  # noqa: E402
-from kvpolicy.runtime.step import DecodeStep  # noqa: E402
-from kvpolicy.runtime.variants import Variant, parse_variant  # noqa: E402
+from kvpolicy.arch import ModelArch, layer_kv_bytes_per_token
+from kvpolicy.catalog import resolve_model
+from kvpolicy.errors import InputError
+from kvpolicy.estimates import Layout
+from kvpolicy.runtime import ops
+from kvpolicy.runtime.caches import (
+    BLOCK_SIZE,
+    allocate,
+    pages_per_sequence,
+    plan_layers,
+    slots_for,
+)
+from kvpolicy.runtime.step import DecodeStep
+from kvpolicy.runtime.variants import Variant, parse_variant
 
 CPU = torch.device("cpu")
 

@@ -59,7 +59,7 @@ def modelled_clock(step):
 
 def test_bench_on_the_cpu_writes_json_plot_and_records(tmp_path, capsys, monkeypatch):
     pytest.importorskip("torch")
-    import kvpolicy.runtime.bench as bench
+    from kvpolicy.runtime import bench
 
     real = bench.time_step
     calls = []

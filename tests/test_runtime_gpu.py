@@ -12,11 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the runtime needs torch")
 
-from kvpolicy.arch import ModelArch  # noqa: E402
-from kvpolicy.cli import main  # noqa: E402
-from kvpolicy.runtime import ops  # noqa: E402
-from kvpolicy.runtime.step import DecodeStep  # noqa: E402
-from kvpolicy.runtime.variants import parse_variant  # noqa: E402
+from kvpolicy.arch import ModelArch
+from kvpolicy.cli import main
+from kvpolicy.runtime import ops
+from kvpolicy.runtime.step import DecodeStep
+from kvpolicy.runtime.variants import parse_variant
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

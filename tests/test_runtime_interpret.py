@@ -19,10 +19,10 @@ if torch.cuda.is_available():
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the Triton path needs triton")
 
-from kvpolicy.arch import ModelArch  # noqa: E402
-from kvpolicy.runtime import ops  # noqa: E402
-from kvpolicy.runtime.step import DecodeStep  # noqa: E402
-from kvpolicy.runtime.variants import parse_variant  # noqa: E402
+from kvpolicy.arch import ModelArch
+from kvpolicy.runtime import ops
+from kvpolicy.runtime.step import DecodeStep
+from kvpolicy.runtime.variants import parse_variant
 
 CPU = torch.device("cpu")
 # Interpreter output vs the float64 reference on the same cache bytes. The interpreter computes fp8 dots

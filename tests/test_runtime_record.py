@@ -38,7 +38,7 @@ def test_break_even_is_where_the_lines_cross(slope, intercept, ratio, delta):
     be = break_even_tokens(base, other)
     assert be is not None and be >= 0
     if delta > 0:
-        at = lambda f, x: f.slope_ms_per_token * x + f.intercept_ms  # noqa: E731
+        at = lambda f, x: f.slope_ms_per_token * x + f.intercept_ms
         assert at(base, be) == pytest.approx(at(other, be), rel=1e-9, abs=1e-9)
 
 

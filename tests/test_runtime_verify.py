@@ -9,13 +9,24 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the runtime needs torch (pip install -e .[kernels])")
 
-from kvpolicy.arch import ModelArch  # noqa: E402
-from kvpolicy.catalog import resolve_gpu  # noqa: E402
-from kvpolicy.cli import main  # noqa: E402
-from kvpolicy.decision import Decision  # noqa: E402
-from kvpolicy.runtime.needle import MARGIN_NATS, geometry_plan, make_case, score  # noqa: E402
-from kvpolicy.runtime.variants import Variant, parse_variant, variant_list  # noqa: E402
-from kvpolicy.runtime.verify import NeedlePoint, run_verify, verdicts, with_calibrated_twins  # noqa: E402
+from kvpolicy.arch import ModelArch
+from kvpolicy.catalog import resolve_gpu
+from kvpolicy.cli import main
+from kvpolicy.decision import Decision
+from kvpolicy.runtime.needle import (
+    MARGIN_NATS,
+    geometry_plan,
+    make_case,
+    plan_for,
+    score,
+)
+from kvpolicy.runtime.variants import Variant, parse_variant, variant_list
+from kvpolicy.runtime.verify import (
+    NeedlePoint,
+    run_verify,
+    verdicts,
+    with_calibrated_twins,
+)
 
 CPU = torch.device("cpu")
 
@@ -43,7 +54,7 @@ def test_mla_needles_live_in_the_latent():
     plan = geometry_plan(arch)
     case = make_case(plan, batch=1, context=300, device=CPU, dtype=torch.float32, seed=1)
     assert case.value is case.key  # K and V are the one latent
-    s = score(plan, Variant("fp8"), case, CPU, "reference")
+    s = score(plan_for(arch, plan, Variant("fp8")), Variant("fp8"), case, CPU, "reference")
     assert s.trials == 4 and s.hits >= 3
 
 
@@ -106,3 +117,18 @@ def test_variants_for_verify():
     v = Variant.of_decision(d)
     assert v.name == "fp8_skip_sliding+one_level+per_tensor" and not v.two_level
     assert parse_variant("fp8", default_two_level=v.two_level).two_level is False
+
+
+def test_calibrated_scales_cover_every_needle():
+    # The needle's value stands out by NEEDLE_LIFT: scales taken from a prefix that misses it would clip it.
+    plan = geometry_plan(mini())
+    case = make_case(plan, batch=2, context=3000, device=CPU, dtype=torch.float32, seed=5)
+    from kvpolicy.runtime.needle import _calibrated_scales
+
+    k_scale, v_scale = _calibrated_scales(case, per_head=True)
+    assert k_scale.shape == (2,) and (v_scale * 448 >= case.value.abs().amax(dim=(0, 1, 3)) * (1 - 1e-6)).all()
+    v = parse_variant("fp8+per_head")
+    s = score(plan_for(mini(), plan, v), v, case, CPU, "reference")
+    assert s.hits >= s.trials - 1 and s.out_rel_error < 0.05
+    with pytest.raises(ValueError):
+        score(plan, v, case, CPU, "reference")  # a BF16 plan cannot hold an FP8 variant

@@ -121,7 +121,14 @@ def _resolve(args: argparse.Namespace, longest: int) -> tuple[Any, Any, Any, Any
 
 def _progress(total: int, label: str) -> Any:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     progress = Progress(SpinnerColumn(), TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.description}"),

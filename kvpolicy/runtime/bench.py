@@ -25,7 +25,13 @@ from kvpolicy.estimates import Layout
 from kvpolicy.gpus import GpuSpec
 from kvpolicy.runtime.caches import BLOCK_SIZE, pages_per_sequence, plan_layers
 from kvpolicy.runtime.fit import break_even_tokens, fit_line
-from kvpolicy.runtime.results import BenchFit, BenchPoint, BenchResult, VariantInfo, environment
+from kvpolicy.runtime.results import (
+    BenchFit,
+    BenchPoint,
+    BenchResult,
+    VariantInfo,
+    environment,
+)
 from kvpolicy.runtime.step import DecodeStep
 from kvpolicy.runtime.variants import Variant
 

@@ -134,9 +134,8 @@ def load_tokens(folder: Path, text_path: Path | None, max_tokens: int, vocab_siz
 def run_model_check(folder: Path, arch: ModelArch, variants: list[Variant], device: torch.device, backend: str,
                     text_path: Path | None = None, max_tokens: int = 512, seed: int = 0) -> tuple[list[ModelCheck], str]:
     """Agreement and KL of each variant's cache against the BF16 cache (BF16 against the model's own attention)."""
-    from transformers import AutoModelForCausalLM
-
     import transformers
+    from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])

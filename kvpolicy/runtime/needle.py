@@ -196,19 +196,35 @@ class NeedleScore:
     """||out - exact|| / ||exact|| over the whole output."""
 
 
+def _calibrated_scales(case: NeedleCase, per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 scales from the amax of every stored token (needles included): the best a calibration can do.
+
+    A sample that misses the needle would clip it at 448 x scale, which tests the sample, not the format.
+    """
+    from kvpolicy.kernels.paged_store import compute_kv_scales
+
+    context = case.key.shape[1]
+    amax_k = amax_v = None
+    for lo in range(0, context, STORE_CHUNK_TOKENS):
+        k = case.key[:, lo:lo + STORE_CHUNK_TOKENS].abs().amax(dim=(0, 1, 3))
+        v = case.value[:, lo:lo + STORE_CHUNK_TOKENS].abs().amax(dim=(0, 1, 3))
+        amax_k = k if amax_k is None else torch.maximum(amax_k, k)
+        amax_v = v if amax_v is None else torch.maximum(amax_v, v)
+    assert amax_k is not None and amax_v is not None
+    return compute_kv_scales(amax_k[None, :, None], amax_v[None, :, None], per_head)
+
+
 def score(plan: LayerPlan, variant: Variant, case: NeedleCase, device: torch.device, backend: str) -> NeedleScore:
-    """Store the case in the variant's format, decode, and score the needle."""
+    """Store the case in the variant's format (`plan` from `plan_for`), decode, and score the needle."""
+    if plan.fmt is None or plan.fmt.kind != variant.kind:
+        raise ValueError(f"plan of layer {plan.index} holds {plan.fmt and plan.fmt.name}, not {variant.name}: "
+                         "use plan_for(arch, geometry, variant)")
     batch, context, hkv, d = case.key.shape
     cache = allocate([plan], batch, context, device)[0]
     assert cache is not None
     cache.sinks = case.sinks
     if variant.kind == "fp8" and variant.scale_source != "uncalibrated":
-        from kvpolicy.kernels.paged_store import compute_kv_scales
-
-        sample = case.key[:, : min(context, 4096)].reshape(-1, hkv, d)
-        vsample = case.value[:, : min(context, 4096)].reshape(-1, hkv, d)
-        cache.k_scale, cache.v_scale = compute_kv_scales(sample, vsample,
-                                                         variant.scale_source != "checkpoint_per_tensor")
+        cache.k_scale, cache.v_scale = _calibrated_scales(case, variant.scale_source != "checkpoint_per_tensor")
     for lo in range(0, context, STORE_CHUNK_TOKENS):
         hi = min(lo + STORE_CHUNK_TOKENS, context)
         slots = slots_for(torch.arange(lo, hi, device=device), cache.block_tables).reshape(-1)

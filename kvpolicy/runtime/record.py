@@ -84,7 +84,7 @@ def evidence_entry(result: BenchResult) -> dict[str, Any]:
     for key, f in fits.items():
         fit: dict[str, float] = {"slope_ms_per_token": _sig(f.slope_ms_per_token), "intercept_ms": _sig(f.intercept_ms)}
         if f.break_even_tokens:
-            fit["break_even_tokens"] = int(round(f.break_even_tokens))
+            fit["break_even_tokens"] = round(f.break_even_tokens)
         variants[key] = fit
     return {"id": evidence_id(result.model, result.gpu), "statement": statement, "source": source,
             "itl": {"model": result.model, "gpu": result.gpu, "variants": variants}}
@@ -132,7 +132,11 @@ def update_policy_file(path: Path, mutate: Any) -> None:
     from pydantic import ValidationError
 
     from kvpolicy.policy.schema import Policy
-    from kvpolicy.yamlio import format_validation_error, load_roundtrip, update_yaml_file
+    from kvpolicy.yamlio import (
+        format_validation_error,
+        load_roundtrip,
+        update_yaml_file,
+    )
 
     def change(doc: Any) -> Any:
         if not isinstance(doc, dict):

@@ -17,8 +17,15 @@ import torch
 
 from kvpolicy.arch import ModelArch
 from kvpolicy.runtime import ops
-from kvpolicy.runtime.caches import BLOCK_SIZE, LayerCache, LayerPlan, allocate, pages_per_sequence, plan_layers, \
-    slots_for
+from kvpolicy.runtime.caches import (
+    BLOCK_SIZE,
+    LayerCache,
+    LayerPlan,
+    allocate,
+    pages_per_sequence,
+    plan_layers,
+    slots_for,
+)
 from kvpolicy.runtime.variants import Variant
 
 FILL_CHUNK_TOKENS = 8192

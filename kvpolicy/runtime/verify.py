@@ -19,7 +19,14 @@ from pydantic import Field
 from kvpolicy.arch import ModelArch
 from kvpolicy.decision import Decision
 from kvpolicy.gpus import GpuSpec
-from kvpolicy.runtime.needle import MARGIN_NATS, NEEDLE_LIFT, geometry_plan, make_case, plan_for, score
+from kvpolicy.runtime.needle import (
+    MARGIN_NATS,
+    NEEDLE_LIFT,
+    geometry_plan,
+    make_case,
+    plan_for,
+    score,
+)
 from kvpolicy.runtime.results import Environment, _Model, environment
 from kvpolicy.runtime.variants import Variant
 

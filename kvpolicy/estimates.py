@@ -175,8 +175,12 @@ def break_even(policy: Policy, arch: ModelArch, gpu: GpuSpec, dtype: str, skip_l
             return Estimate(value=fit.break_even_tokens, unit="tokens", provenance="measured",
                             basis=f"evidence `{ev_id}`")
         base = fits.get("bf16")
-        if base and base.intercept_ms is not None and fit.intercept_ms is not None \
-                and base.slope_ms_per_token > fit.slope_ms_per_token:
+        if base and base.slope_ms_per_token <= fit.slope_ms_per_token:
+            # Measured: the variant's line never falls below BF16's.
+            return Estimate(value=None, unit="tokens", provenance="measured",
+                            basis=f"never: evidence `{ev_id}` measured slope {fit.slope_ms_per_token:.3g} "
+                                  f"not below BF16's {base.slope_ms_per_token:.3g} ms/token")
+        if base and base.intercept_ms is not None and fit.intercept_ms is not None:
             be = (fit.intercept_ms - base.intercept_ms) / (base.slope_ms_per_token - fit.slope_ms_per_token)
             return Estimate(value=round(max(be, 0.0)), unit="tokens", provenance="measured",
                             basis=f"evidence `{ev_id}`: intercepts {base.intercept_ms:g} / {fit.intercept_ms:g} ms")

@@ -54,6 +54,7 @@ FACTS: dict[str, str] = {
     "latency.fp8_break_even_tokens": "context above which FP8 (all layers) decodes faster than BF16",
     "latency.fp8_skip_sliding_break_even_tokens": "the same with sliding layers kept BF16 (absent without sliding layers)",
     "latency.fp8_best_break_even_tokens": "the lower of the two",
+    "latency.fp8_never_faster": "measured ITL lines show no FP8 variant ever decoding faster than BF16 here",
     "accuracy.fp8_recovery": "expected FP8 accuracy recovery at this context (uncalibrated)",
     "accuracy.turboquant_4bit_nc_recovery": "expected turboquant_4bit_nc accuracy recovery",
     "decision.kv_cache_dtype": "KV dtype decided so far (for rules after the dtype stage)",
@@ -111,12 +112,15 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
     need = Layout.of(arch, "auto", (), workload.tp).request_bytes(workload.context_tokens) * workload.concurrency
     f["memory.pressure_bf16"] = round(need / budget, 3) if budget > 0 else None
 
-    be_all = break_even(policy, arch, gpu, "fp8", [], f).value
-    f["latency.fp8_break_even_tokens"] = be_all
-    be_skip = break_even(policy, arch, gpu, "fp8", ["sliding_window"], f).value if arch.count("sliding") else None
-    f["latency.fp8_skip_sliding_break_even_tokens"] = be_skip
-    candidates = [b for b in (be_all, be_skip) if b is not None]
+    variants = [break_even(policy, arch, gpu, "fp8", [], f)]
+    if arch.count("sliding"):
+        variants.append(break_even(policy, arch, gpu, "fp8", ["sliding_window"], f))
+    f["latency.fp8_break_even_tokens"] = variants[0].value
+    f["latency.fp8_skip_sliding_break_even_tokens"] = variants[1].value if len(variants) > 1 else None
+    candidates = [e.value for e in variants if e.value is not None]
     f["latency.fp8_best_break_even_tokens"] = min(candidates) if candidates else None
+    # A measured line that never crosses BF16's (e.g. a user's own `kvpolicy bench --record`).
+    f["latency.fp8_never_faster"] = all(e.value is None and e.provenance == "measured" for e in variants)
     f["accuracy.fp8_recovery"] = recovery(policy, "fp8", workload.context_tokens).value
     f["accuracy.turboquant_4bit_nc_recovery"] = recovery(policy, "turboquant_4bit_nc", workload.context_tokens).value
     return f

@@ -177,3 +177,28 @@ def test_trace_lists_every_rule_with_reason(builtin):
     assert set(r.trace.fields) == {"kv_cache_dtype", "skip_layers", "two_level_accumulation",
                                    "scale_source", "attention_backend"}
     assert {e.id for e in r.evidence} >= {"fp8-itl-gpt-oss-20b-h100", "fp8-two-level-needle-128k"}
+
+
+def test_measured_line_that_never_crosses_bf16_keeps_bf16(tmp_path):
+    """A user's own bench record where FP8 never decodes faster overrides the studies' threshold."""
+    policy = tmp_path / "measured.yaml"
+    policy.write_text(
+        "extends: builtin:default\n"
+        "evidence:\n"
+        "  - id: my-h200-llama\n"
+        "    statement: our H200, FP8 slope above BF16's\n"
+        "    source: kvpolicy bench --record\n"
+        "    itl:\n"
+        "      model: llama-3.1-8b\n"
+        "      gpu: h200\n"
+        "      variants:\n"
+        "        bf16: {slope_ms_per_token: 2.9e-05, intercept_ms: 0.41}\n"
+        "        fp8: {slope_ms_per_token: 3.0e-05, intercept_ms: 0.40}\n"
+    )
+    loaded = load_policy(policy)
+    r = rec(loaded, "llama-3.1-8b", "h200", context="128k")
+    assert r.decision.kv_cache_dtype == "auto"
+    assert decided_by(r, "kv_cache_dtype") == "KV106"
+    assert r.trace.facts["latency.fp8_never_faster"] is True
+    # Without the record, the studies' threshold applies and 128k is FP8.
+    assert rec(load_policy(), "llama-3.1-8b", "h200", context="128k").decision.kv_cache_dtype == "fp8"

@@ -184,6 +184,8 @@ def render_check(label: str, results: list[dict[str, Any]], fmt: str) -> None:
                 echo(annotation("error", f"deployment {r['name']}: {v}", *where, title="kvpolicy check"))
             for w in r.get("warnings", []):
                 echo(annotation("warning", f"deployment {r['name']}: {w}", *where, title="kvpolicy check"))
+            for a in r.get("advice", []):
+                echo(annotation("notice", f"deployment {r['name']}: {a}", *where, title="kvpolicy check"))
             continue
         mark = {"ok": "ok", "violation": "FAIL", "error": "ERROR"}[r["status"]]
         echo(f"{mark:<5} {r['name']}  ({at(*where)})")
@@ -204,6 +206,8 @@ def render_check(label: str, results: list[dict[str, Any]], fmt: str) -> None:
             echo(f"      violation: {v}")
         for w in r["warnings"]:
             echo(f"      warning: {w}")
+        for a in r.get("advice", []):
+            echo(f"      advice: {a}")
     if fmt != "github":
         bad = sum(r["status"] != "ok" for r in results)
         echo(f"{len(results)} deployment{'s' * (len(results) != 1)} checked against {label}: "

@@ -104,7 +104,8 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
         violations.append(f"expected accuracy recovery {recovery:.0%} with uncalibrated scales is below the floor "
                           f"{wl.accuracy_floor:.0%}; calibrate scales or keep BF16.")
     return {**out, "status": "violation" if violations else "ok", "violations": violations,
-            "warnings": rec.warnings, "decision": d.model_dump(), "vllm_args": rec.vllm_args,
+            "warnings": rec.warnings, "advice": rec.alternatives, "decision": d.model_dump(),
+            "vllm_args": rec.vllm_args,
             "decided_by": {k: v.decided_by for k, v in rec.trace.fields.items()},
             "capacity": {"max_concurrency": est.max_concurrency.value, "concurrency": wl.concurrency,
                          "kv_capacity_tokens": est.kv_capacity_tokens.value,

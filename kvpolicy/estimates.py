@@ -252,10 +252,10 @@ def estimate(policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload, 
                                          basis=f"{budget_basis} / {bf16.bytes_per_token():,} bytes per token"),
         capacity_vs_bf16=Estimate(value=round(per_req_bf16 / per_req, 3) if per_req else None, unit="ratio",
                                   provenance="modelled",
-                                  basis=f"bytes per request at {workload.context_tokens} tokens: "
-                                        f"{per_req_bf16} BF16 / {per_req}"),
+                                  basis=f"bytes per request at {workload.context_tokens:,} tokens: "
+                                        f"{per_req_bf16:,} BF16 / {per_req:,}"),
         max_concurrency=Estimate(value=conc, unit="requests", provenance="modelled",
-                                 basis=f"{budget_basis} / {per_req} bytes per request (BF16: {conc_bf16})"),
+                                 basis=f"{budget_basis} / {per_req:,} bytes per request (BF16: {conc_bf16})"),
         itl_slope_ratio=slope_ratio(policy, arch, gpu, layout, decision.kv_cache_dtype, decision.skip_layers,
                                     tp, facts),
         break_even_tokens=break_even(policy, arch, gpu, decision.kv_cache_dtype, decision.skip_layers, facts),

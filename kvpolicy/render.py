@@ -46,7 +46,7 @@ def _fmt(e: Estimate, pct: bool = False) -> str:
     if pct:
         text = f"{e.value * 100:.0f}%"
     elif e.unit in ("tokens", "requests"):
-        text = f"{int(e.value):,}"
+        text = f"{int(e.value):,} {e.unit}"
     elif e.unit == "ratio":
         text = f"{e.value:.2f}x"
     else:
@@ -93,7 +93,7 @@ def _render_rich(rec: Recommendation, model_ref: str, explain: bool) -> None:
     kinds = ", ".join(f"{k} {v:,}" for k, v in e.kv_bytes_per_token.items()) or "0"
     kinds_bf16 = ", ".join(f"{k} {v:,}" for k, v in e.kv_bytes_per_token_bf16.items()) or "0"
     est.add_row("KV bytes/token/rank", kinds, f"BF16: {kinds_bf16}")
-    est.add_row("KV capacity", _fmt(e.kv_capacity_tokens) + " tokens", e.kv_capacity_tokens.basis)
+    est.add_row("KV capacity", _fmt(e.kv_capacity_tokens), e.kv_capacity_tokens.basis)
     est.add_row(f"max concurrency @ {w.context_tokens:,}", _fmt(e.max_concurrency), e.max_concurrency.basis)
     est.add_row("capacity vs BF16", _fmt(e.capacity_vs_bf16), e.capacity_vs_bf16.basis)
     est.add_row("ITL slope vs BF16", _fmt(e.itl_slope_ratio, pct=True), e.itl_slope_ratio.basis)

@@ -46,8 +46,9 @@ LOG2E = 1.4426950408889634
 
 # Reductions: tl.reduce with Triton's own combine functions (the interpreter maps exactly these
 # to numpy). tl.sum, tl.max, tl.zeros, tl.cdiv... are jit functions decorated when triton is
-# imported, and the interpreter rejects them when TRITON_INTERPRET was set only after that
-# import (as tests/kernels/conftest.py does); the kernels here use only builtins and these.
+# imported, and the interpreter rejects them when TRITON_INTERPRET is set only after that
+# import (tests/conftest.py sets it first; a user's own script may not), so these kernels
+# use only builtins and these.
 
 
 @triton.jit

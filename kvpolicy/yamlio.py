@@ -317,3 +317,12 @@ def _container_item(annotation: Any, kind: type) -> Any:
             args = typing.get_args(m)
             return args[-1] if args else Any
     return Any
+
+
+def to_plain(data: Any) -> Any:
+    """Round-trip YAML (CommentedMap/Seq) -> plain dicts and lists with string keys."""
+    if isinstance(data, dict):
+        return {str(k): to_plain(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [to_plain(v) for v in data]
+    return data

@@ -26,7 +26,16 @@ from typing import Any
 
 from kvpolicy.errors import KvPolicyError, PolicyError, did_you_mean
 from kvpolicy.policy.schema import Policy, PolicyLayer
-from kvpolicy.yamlio import Problem, located_error, load_roundtrip, load_safe, position, read_text, validation_problems
+from kvpolicy.yamlio import (
+    Problem,
+    located_error,
+    load_roundtrip,
+    load_safe,
+    position,
+    read_text,
+    to_plain,
+    validation_problems,
+)
 
 Reader = Callable[[Path], str]
 """Reads a policy file's text (the working tree by default; `kvpolicy diff` reads git revisions)."""
@@ -133,7 +142,7 @@ def load_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
             raise _at_extends((name, data), "`extends` must name a policy, such as `builtin:default` or "
                                             f"`../base.yaml` (found {ext!r}).")
         # Each file on its own first, so that errors point at the right file and line.
-        alone = _validate(_plain(data), data, name, PolicyLayer if ext is not None else Policy)
+        alone = _validate(to_plain(data), data, name, PolicyLayer if ext is not None else Policy)
         base = folder
         current = ext
 
@@ -141,7 +150,7 @@ def load_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
     merged: dict[str, Any] = {}
     for index in range(len(layers) - 1, -1, -1):
         name, data = layers[index]
-        plain = _plain(data)
+        plain = to_plain(data)
         _check_rule_ids(plain, merged.get("rules") or [], name, data)
         merged = plain if index == len(layers) - 1 else _merge(merged, plain)
     merged.pop("extends", None)
@@ -203,14 +212,6 @@ def _check_references(loaded: LoadedPolicy) -> None:
         problems.append(src.problem(where, ref.message))
     raise located_error(problems)
 
-
-def _plain(data: Any) -> Any:
-    """Round-trip YAML -> plain dicts and lists."""
-    if isinstance(data, dict):
-        return {str(k): _plain(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_plain(v) for v in data]
-    return data
 
 
 def _validate(plain: dict[str, Any], raw: Any, where: str, model: type[Policy]) -> Policy:

@@ -94,10 +94,10 @@ def load_test_file(path: Path) -> tuple[PolicyTestFile, Any]:
         raw = {}
     if not isinstance(raw, dict):
         raise located_error([Problem(str(path), "a test file must be a YAML mapping with `cases:`.", 1, 1)])
-    from kvpolicy.policy.loader import _plain
+    from kvpolicy.yamlio import to_plain
 
     try:
-        return PolicyTestFile.model_validate(_plain(raw)), raw
+        return PolicyTestFile.model_validate(to_plain(raw)), raw
     except ValidationError as exc:
         raise located_error(validation_problems(exc, raw, str(path), PolicyTestFile)) from None
 

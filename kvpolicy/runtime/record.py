@@ -132,11 +132,7 @@ def update_policy_file(path: Path, mutate: Any) -> None:
     from pydantic import ValidationError
 
     from kvpolicy.policy.schema import Policy
-    from kvpolicy.yamlio import (
-        format_validation_error,
-        load_roundtrip,
-        update_yaml_file,
-    )
+    from kvpolicy.yamlio import format_validation_error, load_roundtrip, to_plain, update_yaml_file
 
     def change(doc: Any) -> Any:
         if not isinstance(doc, dict):
@@ -144,7 +140,7 @@ def update_policy_file(path: Path, mutate: Any) -> None:
         if not doc:
             doc = load_roundtrip(NEW_POLICY.format(name=path.name), str(path))
         mutate(doc)
-        plain = {str(k): v for k, v in _plain(doc).items() if k != "thresholds"}
+        plain = {str(k): v for k, v in to_plain(doc).items() if k != "thresholds"}
         try:
             Policy.model_validate(plain)
         except ValidationError as exc:
@@ -155,10 +151,3 @@ def update_policy_file(path: Path, mutate: Any) -> None:
         path.parent.mkdir(parents=True)
     update_yaml_file(path, change)
 
-
-def _plain(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {str(k): _plain(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_plain(v) for v in data]
-    return data

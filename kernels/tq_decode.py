@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpolicy.kernels.reductions import rmax, rsum
 from kvpolicy.kernels.turboquant import (
     k3_program,
     k4_program,
@@ -44,26 +45,6 @@ from kvpolicy.kernels.turboquant import (
 LOG2E = 1.4426950408889634
 
 
-# Reductions: tl.reduce with Triton's own combine functions (the interpreter maps exactly these
-# to numpy). tl.sum, tl.max, tl.zeros, tl.cdiv... are jit functions decorated when triton is
-# imported, and the interpreter rejects them when TRITON_INTERPRET is set only after that
-# import (tests/conftest.py sets it first; a user's own script may not), so these kernels
-# use only builtins and these.
-
-
-@triton.jit
-def _rsum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@triton.jit
-def _rmax(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
-
-
-@triton.jit
-def _rmin(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_min)
 
 
 _K4_ASM = tl.constexpr(render_ptx(k4_program()))
@@ -292,11 +273,11 @@ def _tq_decode_kernel(
         s = tl.where(n_mask[None, :], s, float("-inf"))  # also drops NaN from stale slots
 
         # ---- online softmax ----
-        m_new = tl.maximum(m_i, _rmax(s, axis=1))
+        m_new = tl.maximum(m_i, rmax(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + _rsum(p, axis=1)
-        z_i = z_i * alpha + _rsum(p * vzero.to(tl.float32)[None, :], axis=1)
+        l_i = l_i * alpha + rsum(p, axis=1)
+        z_i = z_i * alpha + rsum(p * vzero.to(tl.float32)[None, :], axis=1)
         pv = (p * vscale.to(tl.float32)[None, :]).to(tl.float16)
         m_i = m_new
 
@@ -366,7 +347,7 @@ def _tq_merge_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < num_splits
     lse = tl.load(part_lse_ptr + pid * num_splits + offs_s, mask=s_mask, other=float("-inf"))
-    m = _rmax(lse, axis=0)
+    m = rmax(lse, axis=0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink)
@@ -374,8 +355,8 @@ def _tq_merge_kernel(
     cols = tl.arange(0, HEAD_DIM)
     o = tl.load(part_o_ptr + (pid * num_splits + offs_s)[:, None] * HEAD_DIM + cols[None, :],
                 mask=s_mask[:, None], other=0.0)
-    num = _rsum(w[:, None] * o, axis=0)
-    den = _rsum(w, axis=0)
+    num = rsum(w[:, None] * o, axis=0)
+    den = rsum(w, axis=0)
     if HAS_SINKS:
         den += tl.exp2(sink - m)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, (num / den).to(out_ptr.dtype.element_ty))

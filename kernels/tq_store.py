@@ -13,29 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpolicy.kernels.reductions import rmax, rmin, rsum
 from kvpolicy.kernels.turboquant import FP8_E4M3_MAX, kernel_tables, tq_layout
-
-
-# Reductions: tl.reduce with Triton's own combine functions (the interpreter maps exactly these
-# to numpy). tl.sum, tl.max, tl.zeros, tl.cdiv... are jit functions decorated when triton is
-# imported, and the interpreter rejects them when TRITON_INTERPRET is set only after that
-# import (tests/conftest.py sets it first; a user's own script may not), so these kernels
-# use only builtins and these.
-
-
-@triton.jit
-def _rsum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@triton.jit
-def _rmax(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
-
-
-@triton.jit
-def _rmin(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_min)
 
 
 @triton.jit
@@ -75,7 +54,7 @@ def _store_kv_tq_kernel(
         C: tl.constexpr = HEAD_DIM // NCH
         E: tl.constexpr = HEAD_DIM // 8
         HALF: tl.constexpr = 2 ** (KEY_BITS - 1)
-        knorm = tl.sqrt(_rsum(k * k, axis=1))
+        knorm = tl.sqrt(rsum(k * k, axis=1))
         inv = tl.where(knorm > 0, 1.0 / tl.where(knorm > 0, knorm, 1.0), 0.0)
         cols_c = tl.arange(0, C)
         csq = tl.full([BLOCK_T], 0, dtype=tl.float32)
@@ -89,7 +68,7 @@ def _store_kv_tq_kernel(
             for lvl in tl.static_range(2**KEY_BITS - 1):
                 idx += (u > tl.load(bnd_ptr + lvl)).to(tl.int32)
             cval = tl.load(cb_ptr + idx)
-            csq += _rsum(cval * cval, axis=1)
+            csq += rsum(cval * cval, axis=1)
             # sign-magnitude code: the decoder's register table holds only the positive half
             idx = tl.where(idx >= HALF, idx - HALF, (HALF - 1 - idx) | HALF)
             if KEY_BITS == 4:
@@ -99,7 +78,7 @@ def _store_kv_tq_kernel(
                 # quarter c holds coordinates c*D/4 + j; its two halves are bits 2c and 2c+1 of plane byte j mod D/8
                 hb = tl.reshape((idx >> 2) & 1, [BLOCK_T, 2, E])
                 half = tl.arange(0, 2)
-                plane1 = plane1 | _rsum(hb << (half[None, :, None] + 2 * c), axis=1)
+                plane1 = plane1 | rsum(hb << (half[None, :, None] + 2 * c), axis=1)
         tl.store(cache_u8_ptr + row[:, None] + cols_c[None, :], packed.to(tl.uint8), mask=valid[:, None])
         if KEY_BITS == 3:
             cols_e = tl.arange(0, E)
@@ -110,8 +89,8 @@ def _store_kv_tq_kernel(
     # ---- values ----
     LEVELS: tl.constexpr = 2**V_BITS - 1
     v = tl.load(v_row + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    vmin = _rmin(v, axis=1)
-    vmax = _rmax(v, axis=1)
+    vmin = rmin(v, axis=1)
+    vmax = rmax(v, axis=1)
     # code against the fp16-rounded scale and zero, the numbers the decoder will read
     scale = ((vmax - vmin) / LEVELS).to(tl.float16).to(tl.float32)
     zero = vmin.to(tl.float16).to(tl.float32)
@@ -133,7 +112,7 @@ def _store_kv_tq_kernel(
             vpacked = vpacked | ((code & 3) << (2 * c))
             hb = tl.reshape((code >> 2) & 1, [BLOCK_T, 2, VE])
             half = tl.arange(0, 2)
-            vplane1 = vplane1 | _rsum(hb << (half[None, :, None] + 2 * c), axis=1)
+            vplane1 = vplane1 | rsum(hb << (half[None, :, None] + 2 * c), axis=1)
     tl.store(cache_u8_ptr + row[:, None] + V_OFF + cols_v[None, :], vpacked.to(tl.uint8), mask=valid[:, None])
     if V_BITS == 3:
         cols_ve = tl.arange(0, VE)

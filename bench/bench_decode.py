@@ -72,8 +72,8 @@ GEOMETRIES = {
 WGMMA = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=True, programs_per_sm=2.0)
 """The swapped form: P.V of an FP8 cache runs as an fp8 wgmma, where the two-level toggle matters."""
 
-TUNED: dict[str, DecodeConfig] = {}
-"""Configs chosen by --tune for this run, by row name (empty: the kernel's defaults)."""
+TUNED: dict[tuple[str, int], DecodeConfig] = {}
+"""Configs chosen by --tune for this run, by (row name, head_dim) (empty: the kernel's defaults)."""
 
 
 def _paged_row(name: str, dtype_name: str, per_head_scales: bool, **decode_kwargs: Any) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def _paged_row(name: str, dtype_name: str, per_head_scales: bool, **decode_kwarg
 
     def decode(cache: dict, query, block_tables, seq_lens, sinks, **kwargs) -> torch.Tensor:
         opts = {**decode_kwargs, **kwargs}
-        opts.setdefault("config", TUNED.get(name))
+        opts.setdefault("config", TUNED.get((name, query.shape[-1])))
         return decode_attention(
             query, cache["key_cache"], cache["value_cache"], block_tables, seq_lens,
             k_scale=cache["k_scale"], v_scale=cache["v_scale"], sinks=sinks, **opts,
@@ -306,32 +306,35 @@ def _cfg(swap: bool, bn: int, nw: int, ns: int, sub: int = 1, maxnreg: int | Non
     return DecodeConfig(block_n=bn, num_warps=nw, num_stages=ns, swap_ab=swap, programs_per_sm=pps, num_sub=sub, maxnreg=maxnreg)
 
 
-# First GPU run (NOTES.md v1): Triton keeps one smem buffer per K/V load, so a
-# program has one tile in flight; the FP8 tiles carry half the bytes at the
-# same register cost. The candidates trade registers (programs per SM) against
-# bytes per tile.
-TUNE_CANDIDATES = {
-    "bf16": [_cfg(False, 128, 4, 2, pps=2.0), _cfg(False, 128, 4, 2, pps=4.0), _cfg(False, 64, 4, 2, sub=2, pps=2.0),
-             _cfg(False, 64, 4, 3, pps=4.0), _cfg(True, 64, 4, 2, pps=4.0), _cfg(False, 128, 4, 2, maxnreg=128, pps=4.0)],
-    "fp8": [_cfg(False, 128, 4, 2), _cfg(False, 128, 4, 2, maxnreg=168), _cfg(False, 128, 4, 2, maxnreg=128),
-            _cfg(False, 64, 4, 2, maxnreg=128), _cfg(False, 64, 4, 2, sub=2, maxnreg=168), _cfg(False, 128, 4, 2, sub=2),
-            _cfg(False, 64, 4, 5), _cfg(False, 256, 8, 2), _cfg(True, 64, 4, 2), _cfg(True, 128, 8, 2, sub=2)],
-    "fp8_q8": [_cfg(False, 128, 4, 2, maxnreg=168), _cfg(True, 64, 4, 2), _cfg(True, 64, 4, 2, sub=2), _cfg(True, 128, 8, 2)],
-}
+def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
+    """Tile configs tried per row and head_dim; `n` is the tile that holds 16K elements (64 KB of BF16 K+V).
+
+    NOTES.md: Triton keeps one smem buffer per K/V load, so a program has one
+    tile in flight (v1); FP8 is latency-bound, so smaller tiles with more
+    programs per SM can win (v4). Hand-pipelined register prefetch lost 1.5-2x (v4).
+    """
+    n = max(32, min(256, 16384 // head_dim))
+    if fmt == "bf16":
+        return [_cfg(False, n, 4, 2, pps=2.0), _cfg(False, n, 4, 2, pps=4.0), _cfg(False, n // 2, 4, 3, pps=4.0),
+                _cfg(False, 2 * n, 8, 2, pps=2.0), _cfg(True, 64, 4, 2, pps=4.0)]
+    if fmt == "fp8":
+        return [_cfg(False, n // 2, 4, 2, pps=16.0), _cfg(False, n, 4, 2), _cfg(False, n // 2, 2, 2, pps=16.0),
+                _cfg(False, max(32, n // 4), 4, 3, pps=16.0), _cfg(False, n, 8, 2), _cfg(True, 64, 4, 2)]
+    return [_cfg(False, n, 4, 2), _cfg(False, n // 2, 4, 2, pps=16.0), _cfg(True, 64, 4, 2)]
 
 
 def tune(device, log: dict) -> None:
-    """Per row: pick the tile config, then the split target, on the Llama layer at 32k (batch 8 and 1)."""
-    geom = GEOMETRIES["llama-3.1-8b"]
+    """Per row and geometry: pick the tile config, then the split target, at 32k (batch 8 and 1)."""
     context = 32768
     results = []
-    for fmt, candidates in TUNE_CANDIDATES.items():
+    for fmt, (gname, geom) in ((f, g) for f in ("bf16", "fp8", "fp8_q8") for g in GEOMETRIES.items()):
+        candidates = tune_candidates(fmt, geom.head_dim)
         row = FORMATS[fmt]
         cases = {b: build_case(geom, b, context, {fmt: row}, sdpa=True, copies=1, device=device) for b in (8, 1)}
         refs = {b: sdpa_call(c, geom, 0, SDPBackend.FLASH_ATTENTION)() for b, c in cases.items()}
 
         def measure(cfg: DecodeConfig) -> dict:
-            entry = dict(format=fmt, **asdict(cfg))
+            entry = dict(format=fmt, geometry=gname, **asdict(cfg))
             try:
                 us = {}
                 for b, case in cases.items():
@@ -356,12 +359,12 @@ def tune(device, log: dict) -> None:
                 e = measure(trial)
                 if "score" in e and e["score"] < best[1]["score"]:
                     best = (trial, e)
-        TUNED[fmt] = best[0]
-        print(f"  chosen for {fmt}: {best[0]}", flush=True)
+        TUNED[(fmt, geom.head_dim)] = best[0]
+        print(f"  chosen for {fmt} at head_dim {geom.head_dim}: {best[0]}", flush=True)
         del cases, refs
         torch.cuda.empty_cache()
     log["tune"] = results
-    log["tuned"] = {k: asdict(v) for k, v in TUNED.items()}
+    log["tuned"] = {f"{k[0]}/head_dim={k[1]}": asdict(v) for k, v in TUNED.items()}
 
 
 # --------------------------------------------------------------------------- speed table

@@ -17,8 +17,9 @@ Two orientations of the same math (`DecodeConfig.swap_ab`):
   which is the default (bench/NOTES.md).
 
 FP8 caches: K is upcast to fp16 for Q.K^T, or the query is quantised to e4m3
-per program (`fp8_query`) and the product runs in fp8. P.V always runs with P
-in e4m3 (scaled by `P_SCALE` first) against the stored V, as FA3 does.
+per program (`fp8_query`) and the product runs in fp8. P is always rounded to
+e4m3 (scaled by `P_SCALE` first), as FA3 does; in the standard form the P.V
+MMA then runs in fp16 on those exact values against V converted in registers.
 Scales fold into the math: k_scale (and the query's scale) into the logit
 scale, v_scale into the output.
 """
@@ -77,9 +78,10 @@ def default_config(head_dim: int, kv_fp8: bool, device: torch.device, fp8_query:
     # every head_dim, the size that reached the memory floor at head_dim 128.
     block_n = max(32, min(256, 16384 // head_dim))
     if kv_fp8:
-        # FP8 is instruction-bound (NOTES.md v2): more, shorter programs balance better.
-        return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=8.0,
-                            maxnreg=168 if fp8_query else None)
+        # FP8 is latency-bound at ~1 IPC (NOTES.md v4): half the tile (5 programs
+        # of 4 warps per SM at head_dim 128) and many splits measured fastest,
+        # with or without the fp8 query.
+        return DecodeConfig(block_n=max(32, block_n // 2), num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=16.0)
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=2.0)
 
 
@@ -110,16 +112,47 @@ def _load_tile(k_base, v_base, bt_row, offs_n, seq_len, start, offs_d,
 
 
 @triton.jit
+def _e4m3_to_f16(x):
+    """e4m3 bytes (uint8) to fp16, in registers: opaque to Triton, so the tile reaches the MMA as fp16."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        # Not pure: Triton would otherwise move the layout conversion above it
+        # and gather e4m3 bytes again.
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
                  KV_FP8: tl.constexpr, FP8_QUERY: tl.constexpr, SWAP_AB: tl.constexpr,
                  TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr):
     """One online-softmax step over a K/V tile: returns the updated (running max, denominator, accumulator)."""
+    # FP8 operands and how they reach the MMA (bench/NOTES.md v4). V is the
+    # transposed operand of P.V: left to itself, Triton keeps the e4m3 tile in
+    # shared memory and gathers it byte by byte (LDS.U8) into the MMA layout.
+    # Converted to fp16 in registers by opaque inline asm instead, it is staged
+    # in shared memory as fp16 and read with ldmatrix.trans. K is K-major, and
+    # Triton reads its e4m3 bytes with ldmatrix already (converting K the same
+    # way measured slower: more shared-memory traffic).
     if KV_FP8:
-        k = k.to(tl.float8e4nv, bitcast=True)
-        v = v.to(tl.float8e4nv, bitcast=True)
-        if not FP8_QUERY:
-            k = k.to(tl.float16)
-    if INTERPRET:
+        if INTERPRET:
+            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            v = v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif SWAP_AB:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+            if not FP8_QUERY:
+                k = k.to(tl.float16)
+        else:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            if not FP8_QUERY:
+                k = k.to(tl.float16)
+            v = _e4m3_to_f16(v)
+    elif INTERPRET:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
@@ -148,6 +181,10 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
             p_op = fp8_e4m3_bits(p * P_SCALE).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             p_op = (p * P_SCALE).to(tl.float8e4nv)
+            if not SWAP_AB:
+                # The fp16-converted V takes an fp16 P; its values are still
+                # e4m3's, so both forms compute the same products.
+                p_op = p_op.to(tl.float16)
         # The denominator sums the rounded weights the MMA multiplies (in
         # P_SCALE units), so e4m3's rounding, and its flush of the tiny weights
         # of a long tail, cancels between numerator and denominator instead of
@@ -483,8 +520,8 @@ def decode_attention(
         sinks if sinks is not None else dummy, out, part_out, part_lse,
         float(head_dim**-0.5 if sm_scale is None else sm_scale), int(sliding_window or 0), splits,
         query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         num_q_heads * splits, splits, 1,

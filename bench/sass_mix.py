@@ -1,0 +1,128 @@
+"""Compile the decode kernels for sm_90 on a machine without a GPU and count SASS instructions.
+
+Why: device time is scarce, and the FP8 decode kernel is instruction-bound
+(bench/NOTES.md v2), so the instruction mix of the KV loop predicts its speed.
+Usage: python bench/sass_mix.py [--fp8] [--fp8-query] [--head-dim 128] [--block-n 128]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from kvpolicy.kernels import decode_attention as da
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32",
+            "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+FLOATS = {"sm_scale"}
+
+
+def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_warps: int, num_stages: int,
+                   group: int, two_level: bool):
+    fn = da._decode_attention_kernel
+    constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+                      NUM_SUB=1, PAGE_SIZE=16, KV_FP8=fp8, FP8_QUERY=fp8_query, HAS_K_SCALE=fp8, HAS_V_SCALE=fp8,
+                      K_SCALE_STRIDE=1, V_SCALE_STRIDE=1, HAS_WINDOW=False, HAS_SINKS=False, IS_SPLIT=True,
+                      TWO_LEVEL=two_level, SWAP_AB=False, INTERPRET=False)
+    if not fp8:
+        POINTERS.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16")
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in POINTERS:
+            sig[name] = POINTERS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride_") and name not in ("stride_ps",):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def sass(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def resources(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f"registers {m.group(1)}, stack {m.group(2)} B" if m else out.strip()
+
+
+def loop_mix(text: str) -> collections.Counter:
+    """Opcode counts of the largest backward-branch loop body."""
+    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
+    best = (0, 0)
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ln)
+        if m and m.group(1):
+            target = int(m.group(1), 16)
+            if target < addr[i]:
+                j = addr.index(target) if target in addr else 0
+                if i - j > best[1] - best[0]:
+                    best = (j, i)
+    body = lines[best[0]:best[1] + 1]
+    ops = collections.Counter()
+    for ln in body:
+        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", ln)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--fp8-query", action="store_true")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--num-stages", type=int, default=2)
+    ap.add_argument("--one-level", action="store_true")
+    ap.add_argument("--dump", help="write the full SASS here")
+    a = ap.parse_args()
+    k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level)
+    text = sass(k)
+    if a.dump:
+        with open(a.dump, "w") as f:
+            f.write(text)
+            f.write("\n\n// TTGIR\n" + k.asm["ttgir"])
+    ops = loop_mix(text)
+    total = sum(ops.values())
+    kv_bytes = a.block_n * a.head_dim * 2 * (1 if a.fp8 else 2)
+    print(f"shared {k.metadata.shared} B; {resources(k)}")
+    print(f"loop: {total} instructions per thread per tile of {kv_bytes // 1024} KB = {total / (kv_bytes / 1024):.1f}/KB")
+    fam = collections.Counter()
+    for op, n in ops.items():
+        fam[op.split(".")[0]] += n
+    print("  " + "  ".join(f"{op} {n}" for op, n in fam.most_common(18)))
+    print("  " + "  ".join(f"{op} {n}" for op, n in ops.most_common() if op.startswith(("LDS", "LDSM", "STS", "LDG", "F2FP", "F2F", "HMMA", "HGMMA", "QGMMA"))))
+
+
+if __name__ == "__main__":
+    main()

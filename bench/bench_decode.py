@@ -72,6 +72,8 @@ GEOMETRIES = {
 WGMMA = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=True, programs_per_sm=2.0)
 """The swapped form: P.V of an FP8 cache runs as an fp8 wgmma, where the two-level toggle matters."""
 
+MIN_TOKENS_PER_SPLIT: int | None = None
+"""--min-tokens-per-split: overrides the default configs' split floor for this run."""
 TUNED: dict[tuple[str, int], DecodeConfig] = {}
 """Configs chosen by --tune for this run, by (row name, head_dim) (empty: the kernel's defaults)."""
 
@@ -91,6 +93,9 @@ def _paged_row(name: str, dtype_name: str, per_head_scales: bool, **decode_kwarg
     def decode(cache: dict, query, block_tables, seq_lens, sinks, **kwargs) -> torch.Tensor:
         opts = {**decode_kwargs, **kwargs}
         opts.setdefault("config", TUNED.get((name, query.shape[-1])))
+        if opts["config"] is None and MIN_TOKENS_PER_SPLIT and query.is_cuda:
+            base = default_config(query.shape[-1], dtype_name == "fp8", query.device, bool(opts.get("fp8_query")))
+            opts["config"] = replace(base, min_tokens_per_split=MIN_TOKENS_PER_SPLIT)
         return decode_attention(
             query, cache["key_cache"], cache["value_cache"], block_tables, seq_lens,
             k_scale=cache["k_scale"], v_scale=cache["v_scale"], sinks=sinks, **opts,
@@ -315,12 +320,12 @@ def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
     """
     n = max(32, min(256, 16384 // head_dim))
     if fmt == "bf16":
-        return [_cfg(False, n, 4, 2, pps=2.0), _cfg(False, n, 4, 2, pps=4.0), _cfg(False, n // 2, 4, 3, pps=4.0),
-                _cfg(False, 2 * n, 8, 2, pps=2.0), _cfg(True, 64, 4, 2, pps=4.0)]
+        return [_cfg(False, n, 4, 2, pps=2.0), _cfg(False, n // 2, 4, 3, pps=4.0), _cfg(False, n // 2, 4, 4, pps=4.0),
+                _cfg(False, n, 4, 3, pps=2.0), _cfg(False, n // 2, 4, 3, pps=8.0), _cfg(True, 64, 4, 2, pps=4.0)]
     if fmt == "fp8":
-        return [_cfg(False, n // 2, 4, 2, pps=16.0), _cfg(False, n, 4, 2), _cfg(False, n // 2, 2, 2, pps=16.0),
-                _cfg(False, max(32, n // 4), 4, 3, pps=16.0), _cfg(False, n, 8, 2), _cfg(True, 64, 4, 2)]
-    return [_cfg(False, n, 4, 2), _cfg(False, n // 2, 4, 2, pps=16.0), _cfg(True, 64, 4, 2)]
+        return [_cfg(False, n // 2, 4, 2, pps=16.0), _cfg(False, n // 2, 4, 3, pps=16.0), _cfg(False, n // 2, 4, 4, pps=16.0),
+                _cfg(False, n, 4, 3, pps=8.0), _cfg(False, n // 2, 4, 3, pps=8.0), _cfg(False, max(32, n // 4), 4, 4, pps=16.0)]
+    return [_cfg(False, n // 2, 4, 2, pps=16.0), _cfg(False, n // 2, 4, 3, pps=16.0), _cfg(False, n, 4, 3, pps=8.0)]
 
 
 def tune(device, log: dict) -> None:
@@ -466,6 +471,31 @@ def summarise(records: list[dict], log: dict) -> list[dict]:
             summary.append(s)
     log["summary"] = summary
     return summary
+
+
+EVIDENCE_COLUMNS = ("bf16", "fp8", *TQ_FORMATS, "sdpa_cudnn")
+"""Columns written by --evidence: the cache formats recommend can choose, and the baseline."""
+
+
+def evidence_block(records: list[dict], summary: list[dict], log: dict, gpu_id: str, batch: int = 8) -> dict[str, Any]:
+    """The `kernels` measurements of a policy evidence entry (kvpolicy.policy.schema.KernelMeasurement) for one batch."""
+    measurements = []
+    for gname, geom in GEOMETRIES.items():
+        fits = {}
+        for s in summary:
+            if s["geometry"] != gname or s["batch"] != batch or s["column"] not in EVIDENCE_COLUMNS:
+                continue
+            at_128k = [r for r in records if r["geometry"] == gname and r["batch"] == batch
+                       and r["column"] == s["column"] and r["context"] == 131072]
+            fits[s["column"]] = dict(slope_ns_per_token=round(s["slope_ns_per_token"], 4),
+                                     intercept_us=round(s["intercept_us"], 2),
+                                     read_tbps_at_128k=round(at_128k[0]["tbps"], 2) if at_128k else None)
+        if "sdpa_cudnn" in fits and len(fits) > 1:
+            measurements.append(dict(gpu=gpu_id, geometry=gname, head_dim=geom.head_dim, batch=batch,
+                                     baseline="sdpa_cudnn", fits=fits))
+    return {"kernels": measurements,
+            "source": f"bench/bench_decode.py on an {log['gpu']}, {log['date'][:10]}, torch {log['torch']}, "
+                      f"Triton {log['triton']}, commit {log['commit']}"}
 
 
 def targets(records: list[dict], summary: list[dict], log: dict) -> list[str]:
@@ -646,9 +676,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default=None, help="comma list of batch sizes")
     p.add_argument("--geometries", default=",".join(GEOMETRIES), help="comma list of " + ", ".join(GEOMETRIES))
     p.add_argument("--tune", action="store_true", help="pick tile/split configs on this GPU before the table")
+    p.add_argument("--min-tokens-per-split", type=int, default=None,
+                   help="override the default configs' shortest split (bf16/fp8 rows)")
+    p.add_argument("--evidence", default=None, metavar="PATH",
+                   help="also write the batch-8 fits as a policy evidence `kernels` block (YAML) for kvpolicy recommend")
     p.add_argument("--skip-accuracy", action="store_true", help="skip the accuracy and needle sections")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/bench_decode.json when $OUT is set)")
     args = p.parse_args(argv)
+    global MIN_TOKENS_PER_SPLIT
+    MIN_TOKENS_PER_SPLIT = args.min_tokens_per_split
     args.formats = [f for f in args.formats.split(",") if f]
     unknown = [f for f in args.formats if f not in FORMATS and f not in SDPA_COLUMNS]
     if unknown:
@@ -686,6 +722,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(records, log)
     target_lines = targets(records, summary, log)
     save()
+    if args.evidence:
+        from kvpolicy.catalog import resolve_gpu
+        from kvpolicy.yamlio import dump_roundtrip
+
+        block = evidence_block(records, summary, log, resolve_gpu(torch.cuda.get_device_name()).id)
+        with open(args.evidence, "w") as fh:
+            fh.write(dump_roundtrip(block))
     acc, ndl = [], []
     if not args.skip_accuracy:
         acc_contexts = [4096, 16384] if args.quick else [4096, 16384, 65536, 131072]

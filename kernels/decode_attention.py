@@ -56,7 +56,7 @@ class DecodeConfig:
     """Compute S^T = K.Q^T and O^T = V^T.P^T (wgmma on Hopper) instead of Q.K^T and P.V."""
     programs_per_sm: float
     """Split-KV target: choose splits so that about this many programs run per SM."""
-    min_tokens_per_split: int = 512
+    min_tokens_per_split: int = 128
     """Never split a sequence into pieces shorter than this."""
     num_sub: int = 1
     """K/V tiles of `block_n` loaded together per loop iteration (1 or 2): more bytes in flight per program."""
@@ -78,10 +78,11 @@ def default_config(head_dim: int, kv_fp8: bool, device: torch.device, fp8_query:
     # every head_dim, the size that reached the memory floor at head_dim 128.
     block_n = max(32, min(256, 16384 // head_dim))
     if kv_fp8:
-        # FP8 is latency-bound at ~1 IPC (NOTES.md v4): half the tile (5 programs
-        # of 4 warps per SM at head_dim 128) and many splits measured fastest,
-        # with or without the fp8 query.
-        return DecodeConfig(block_n=max(32, block_n // 2), num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=16.0)
+        # FP8 is latency-bound at ~1 IPC (NOTES.md v4-v5): half the tile (4 programs
+        # of 4 warps per SM at head_dim 128), three stages (two tiles in flight
+        # per program now that the page look-up runs one tile ahead) and many
+        # splits measured fastest, with or without the fp8 query.
+        return DecodeConfig(block_n=max(32, block_n // 2), num_warps=4, num_stages=3, swap_ab=False, programs_per_sm=16.0)
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=2.0)
 
 
@@ -99,12 +100,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: D
 
 
 @triton.jit
-def _load_tile(k_base, v_base, bt_row, offs_n, seq_len, start, offs_d,
+def _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE: tl.constexpr):
+    """Physical page of each position `offs_n` (0 past the sequence)."""
+    return tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < seq_len, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_tile(k_base, v_base, page, offs_n, seq_len, start, offs_d,
                stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE: tl.constexpr):
-    """K and V rows [BLOCK_N, HEAD_DIM] of positions `offs_n` through the block table; masked rows read nothing."""
-    in_seq = offs_n < seq_len
-    valid = in_seq & (offs_n >= start)
-    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+    """K and V rows [BLOCK_N, HEAD_DIM] of positions `offs_n` in pages `page`; masked rows read nothing."""
+    valid = (offs_n < seq_len) & (offs_n >= start)
     in_page = offs_n % PAGE_SIZE
     k = tl.load(k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
     v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
@@ -300,17 +305,22 @@ def _decode_attention_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
+    # The block-table entries of the next tile are loaded one iteration ahead:
+    # K/V addresses then never wait on a load issued in the same iteration, so
+    # the page look-up's round trip leaves the loop's critical path.
+    offs_n = tile_lo * TILE + tl.arange(0, BLOCK_N)
+    pages0 = _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE)
+    if NUM_SUB == 2:
+        pages1 = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
     for tile in range(tile_lo, tile_hi):
-        # All loads of the iteration come first, so the pipeliner has every
-        # sub-tile in flight while the previous iteration computes: Triton keeps
-        # one buffer per load here, and a second sub-tile doubles the bytes in
-        # flight without growing the registers one dot needs.
         offs_n = tile * TILE + tl.arange(0, BLOCK_N)
-        k0, v0, valid0 = _load_tile(k_base, v_base, bt_row, offs_n, seq_len, start, offs_d,
+        k0, v0, valid0 = _load_tile(k_base, v_base, pages0, offs_n, seq_len, start, offs_d,
                                     stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
         if NUM_SUB == 2:
-            k1, v1, valid1 = _load_tile(k_base, v_base, bt_row, offs_n + BLOCK_N, seq_len, start, offs_d,
+            k1, v1, valid1 = _load_tile(k_base, v_base, pages1, offs_n + BLOCK_N, seq_len, start, offs_d,
                                         stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
+            pages1 = _load_pages(bt_row, offs_n + TILE + BLOCK_N, seq_len, PAGE_SIZE)
+        pages0 = _load_pages(bt_row, offs_n + TILE, seq_len, PAGE_SIZE)
         m_i, l_i, acc = _attend_tile(k0, v0, valid0, q_op, qk_scale, m_i, l_i, acc,
                                      KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
         if NUM_SUB == 2:

@@ -86,6 +86,9 @@ class Estimates(_Model):
     """Requests at the context that fit in the chosen format."""
     itl_slope_ratio: Estimate
     """Decode ITL slope (ms/token of context) relative to BF16."""
+    kernel_slope_ratio: Estimate
+    """Decode-attention slope of kvpolicy's own Triton kernel for the chosen format, relative to cuDNN BF16
+    attention on the same GPU (measured, attention only; vLLM's own kernels are what `itl_slope_ratio` describes)."""
     break_even_tokens: Estimate
     """Context above which the chosen format decodes faster than BF16."""
     accuracy_recovery: Estimate

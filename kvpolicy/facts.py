@@ -11,7 +11,7 @@ from typing import Any
 
 from kvpolicy.arch import ModelArch
 from kvpolicy.decision import Workload
-from kvpolicy.estimates import Layout, break_even, kv_budget_bytes, max_concurrency, recovery
+from kvpolicy.estimates import Layout, break_even, kernel_figure, kv_budget_bytes, max_concurrency, recovery
 from kvpolicy.gpus import GpuSpec
 from kvpolicy.policy.schema import Policy
 
@@ -57,6 +57,8 @@ FACTS: dict[str, str] = {
     "latency.fp8_never_faster": "measured ITL lines show no FP8 variant ever decoding faster than BF16 here",
     "accuracy.fp8_recovery": "expected FP8 accuracy recovery at this context (uncalibrated)",
     "accuracy.turboquant_4bit_nc_recovery": "expected turboquant_4bit_nc accuracy recovery",
+    "kernels.turboquant_4bit_nc": "turboquant_4bit_nc in kvpolicy's fused kernel vs cuDNN BF16 (attention slope), "
+                                  "as a phrase for messages",
     "decision.kv_cache_dtype": "KV dtype decided so far (for rules after the dtype stage)",
     "decision.kv_format": "family of the decided dtype: bf16, fp8 or turboquant",
     "decision.skip_layers": "`sliding_window`, indices joined by commas, or empty",
@@ -123,4 +125,5 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
     f["latency.fp8_never_faster"] = all(e.value is None and e.provenance == "measured" for e in variants)
     f["accuracy.fp8_recovery"] = recovery(policy, "fp8", workload.context_tokens).value
     f["accuracy.turboquant_4bit_nc_recovery"] = recovery(policy, "turboquant_4bit_nc", workload.context_tokens).value
+    f["kernels.turboquant_4bit_nc"] = kernel_figure(policy, arch, gpu, "turboquant_4bit_nc").phrase
     return f

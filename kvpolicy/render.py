@@ -97,6 +97,7 @@ def _render_rich(rec: Recommendation, model_ref: str, explain: bool) -> None:
     est.add_row(f"max concurrency @ {w.context_tokens:,}", _fmt(e.max_concurrency), e.max_concurrency.basis)
     est.add_row("capacity vs BF16", _fmt(e.capacity_vs_bf16), e.capacity_vs_bf16.basis)
     est.add_row("ITL slope vs BF16", _fmt(e.itl_slope_ratio, pct=True), e.itl_slope_ratio.basis)
+    est.add_row("kernel slope vs cuDNN", _fmt(e.kernel_slope_ratio), e.kernel_slope_ratio.basis)
     est.add_row("break-even context", _fmt(e.break_even_tokens), e.break_even_tokens.basis)
     est.add_row("accuracy recovery", _fmt(e.accuracy_recovery, pct=True), e.accuracy_recovery.basis)
 

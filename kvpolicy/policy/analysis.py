@@ -20,10 +20,11 @@ from kvpolicy.policy.schema import AllOf, AnyOf, Compare, Condition, Policy, Thr
 
 BOOL_FACTS = {"model.is_hybrid", "model.has_attention_sinks", "gpu.fp8_compute", "memory.weights_fit",
               "memory.fits_bf16", "memory.fits_fp8", "memory.fits_turboquant_4bit_nc"}
-TEXT_FACTS = {"model.id", "model.family", "decision.skip_layers", "decision.attention_backend"}
+TEXT_FACTS = {"model.id", "model.family", "decision.skip_layers", "decision.attention_backend",
+              "kernels.turboquant_4bit_nc"}
 ALWAYS_SET = BOOL_FACTS | {"model.attention", "gpu.generation", "gpu.vendor", "gpu.id", "workload.priority",
                            "model.id", "model.family", "workload.context_tokens", "workload.concurrency",
-                           "workload.tp"}
+                           "workload.tp", "kernels.turboquant_4bit_nc"}
 
 
 @functools.cache

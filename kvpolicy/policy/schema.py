@@ -226,6 +226,42 @@ class Recovery(_Strict):
     """Longest context this figure covers."""
 
 
+class KernelFit(_Strict):
+    """A measured decode-attention line of one kernel: time per call = slope x context + intercept."""
+
+    slope_ns_per_token: float = Field(gt=0)
+    """Slope in ns of one call (one layer, the whole batch) per token of context."""
+    intercept_us: float | None = None
+    """Intercept in microseconds."""
+    read_tbps_at_128k: float | None = Field(default=None, gt=0)
+    """Effective TB/s of KV bytes read at 131,072 tokens (bytes the format stores / time)."""
+
+
+class KernelMeasurement(_Strict):
+    """Decode-attention fits of kvpolicy's Triton kernels for one layer shape on one GPU."""
+
+    gpu: str
+    """GPU catalog id or alias, e.g. `h200`; other GPUs of its generation use these figures when they have none."""
+    geometry: str
+    """Model catalog id whose attention layer shape was measured, e.g. `llama-3.1-8b`."""
+    head_dim: int = Field(gt=0)
+    """Head dimension of the measured layer; `recommend` uses the geometry closest to the model's."""
+    batch: int = Field(gt=0)
+    """Sequences per call, all at the same context."""
+    baseline: str = "sdpa_cudnn"
+    """Column the ratios are taken against (torch SDPA on cuDNN, BF16, by default)."""
+    fits: dict[str, KernelFit]
+    """`bf16`, `fp8`, `turboquant_k8v4`, `turboquant_4bit_nc`, `turboquant_k3v4_nc`, `turboquant_3bit_nc`,
+    `sdpa_cudnn` -> fit."""
+
+    @model_validator(mode="after")
+    def _baseline_measured(self) -> KernelMeasurement:
+        if self.baseline not in self.fits:
+            raise ValueError(f"`baseline: {self.baseline}` has no fit; add `{self.baseline}` under `fits:` or name "
+                             f"one of: {', '.join(self.fits) or '(none)'}")
+        return self
+
+
 class Evidence(_Strict):
     """A measurement or documented fact that rules cite."""
 
@@ -239,6 +275,8 @@ class Evidence(_Strict):
     """Machine-readable ITL fits, used by the latency estimates."""
     recovery: list[Recovery] = Field(default_factory=list)
     """Machine-readable accuracy recoveries, used by the accuracy estimates."""
+    kernels: list[KernelMeasurement] = Field(default_factory=list)
+    """Decode-attention fits of kvpolicy's own kernels, attention only; used by the kernel slope estimate."""
 
 
 class Threshold(_Strict):

@@ -1,0 +1,154 @@
+"""`kernel slope vs cuDNN`: kvpolicy's own decode kernels (evidence `kernels:`) beside vLLM's published costs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpolicy.catalog import resolve_gpu, resolve_model
+from kvpolicy.cli import main
+from kvpolicy.decision import Recommendation
+from kvpolicy.policy.loader import load_policy
+from kvpolicy.recommend import make_workload, recommend
+
+# The H200 figures of `kvpolicy-kernels-h200` in policies/default.yaml (slope ns/token, batch 8).
+LLAMA = {"bf16": 7.4477, "fp8": 5.2185, "turboquant_4bit_nc": 7.2504, "sdpa_cudnn": 7.0393}
+GPT_OSS = {"fp8": 2.7398, "sdpa_cudnn": 3.5106}
+TQ_PHRASE = "1.03x cuDNN BF16's attention slope in kvpolicy's fused kernel (h200, llama-3.1-8b layer, batch 8)"
+MEMORY_BOUND = dict(context="128k", concurrency=10, tp=4)
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return load_policy()
+
+
+def rec(loaded, model: str, gpu: str, **workload) -> Recommendation:
+    return recommend(resolve_model(model), resolve_gpu(gpu), make_workload(loaded, **workload), loaded)
+
+
+def test_turboquant_chosen_on_h100_shows_our_h200_kernel(builtin):
+    r = rec(builtin, "llama-3.3-70b", "h100", accuracy_floor=0.9, **MEMORY_BOUND)
+    assert r.decision.kv_cache_dtype == "turboquant_4bit_nc"
+    k = r.estimates.kernel_slope_ratio
+    assert k.provenance == "measured"
+    assert k.value == round(LLAMA["turboquant_4bit_nc"] / LLAMA["sdpa_cudnn"], 3)
+    assert "measured on h200, same generation as h100-sxm" in k.basis
+    assert "`kvpolicy-kernels-h200`" in k.basis
+    # vLLM's published figure stays where it was: no slope, 10-68% added latency.
+    assert r.estimates.itl_slope_ratio.value is None
+    kv103 = [w for w in r.warnings if w.startswith("turboquant_4bit_nc: needed")]
+    assert len(kv103) == 1 and "Costs in vLLM" in kv103[0] and TQ_PHRASE in kv103[0]
+
+
+def test_default_floor_offers_turboquant_with_our_kernel_and_rates_fp8(builtin):
+    r = rec(builtin, "llama-3.3-70b", "h100", **MEMORY_BOUND)
+    assert r.decision.kv_cache_dtype == "fp8"
+    offer = [a for a in r.alternatives if a.startswith("turboquant_4bit_nc would hold")]
+    assert len(offer) == 1 and TQ_PHRASE in offer[0]
+    k = r.estimates.kernel_slope_ratio
+    assert k.value == round(LLAMA["fp8"] / LLAMA["sdpa_cudnn"], 3) and k.provenance == "measured"
+    assert "FP8 Triton kernel" in k.basis and "our BF16 kernel 1.06x" in k.basis
+
+
+def test_head_dim_64_model_uses_the_gpt_oss_layer(builtin):
+    r = rec(builtin, "gpt-oss-20b", "h200", context="32k")
+    assert r.decision.kv_cache_dtype == "fp8"
+    k = r.estimates.kernel_slope_ratio
+    assert k.value == round(GPT_OSS["fp8"] / GPT_OSS["sdpa_cudnn"], 3)
+    assert "on h200 (gpt-oss-20b layer, batch 8" in k.basis
+    assert "same generation" not in k.basis
+    # A head_dim 128 model on the same GPU takes the Llama layer.
+    llama = rec(builtin, "qwen3-8b", "h200", context="32k").estimates.kernel_slope_ratio
+    assert "llama-3.1-8b layer" in llama.basis
+
+
+def test_bf16_decision_rates_our_bf16_kernel(builtin):
+    r = rec(builtin, "llama-3.1-8b", "h100", context="4k")
+    assert r.decision.kv_cache_dtype == "auto"
+    k = r.estimates.kernel_slope_ratio
+    assert k.value == round(LLAMA["bf16"] / LLAMA["sdpa_cudnn"], 3)
+    assert k.basis.startswith("kvpolicy's BF16 Triton kernel: 1.06x cuDNN BF16's")
+
+
+def test_no_measurement_for_the_generation_says_so(builtin):
+    r = rec(builtin, "llama-3.1-8b", "a100", context="32k")
+    k = r.estimates.kernel_slope_ratio
+    assert (k.value, k.provenance) == (None, "modelled")
+    assert k.basis.startswith("no kvpolicy kernel measurement for ampere GPUs; run `python bench/bench_decode.py`")
+    assert r.trace.facts["kernels.turboquant_4bit_nc"] == "not measured by kvpolicy on ampere GPUs"
+    # fp8_e5m2 (A100 under memory pressure) has no kvpolicy kernel at all.
+    e5m2 = rec(builtin, "llama-3.1-8b", "a100", context="128k", concurrency=16)
+    assert e5m2.decision.kv_cache_dtype == "fp8_e5m2"
+    assert e5m2.estimates.kernel_slope_ratio.value is None
+    assert "do not implement fp8_e5m2" in e5m2.estimates.kernel_slope_ratio.basis
+
+
+def test_extending_policy_supplies_its_own_gpu_figures(tmp_path):
+    path = tmp_path / "ours.yaml"
+    path.write_text(
+        "extends: builtin:default\n"
+        "evidence:\n"
+        "  - id: our-kernels\n"
+        "    statement: our A100 and a newer H200 run\n"
+        "    source: bench/bench_decode.py\n"
+        "    kernels:\n"
+        "      - gpu: a100\n"                      # an alias of a100-80gb-sxm
+        "        geometry: llama-3.1-8b\n"
+        "        head_dim: 128\n"
+        "        batch: 8\n"
+        "        fits:\n"
+        "          bf16: {slope_ns_per_token: 15.0}\n"
+        "          sdpa_cudnn: {slope_ns_per_token: 12.0}\n"
+        "      - gpu: h200\n"
+        "        geometry: llama-3.1-8b\n"
+        "        head_dim: 128\n"
+        "        batch: 8\n"
+        "        fits:\n"
+        "          turboquant_4bit_nc: {slope_ns_per_token: 6.0}\n"
+        "          sdpa_cudnn: {slope_ns_per_token: 7.5}\n"
+    )
+    loaded = load_policy(path)
+    a100 = rec(loaded, "llama-3.1-8b", "a100", context="32k").estimates.kernel_slope_ratio
+    assert (a100.value, a100.provenance) == (1.25, "measured")
+    assert "on a100-80gb-sxm" in a100.basis and "`our-kernels`" in a100.basis
+    # Same GPU (h200, for an h100) and geometry as the built-in entry: the later (user's) entry wins.
+    tq = rec(loaded, "llama-3.3-70b", "h100", accuracy_floor=0.9, **MEMORY_BOUND)
+    assert tq.decision.kv_cache_dtype == "turboquant_4bit_nc"
+    assert tq.estimates.kernel_slope_ratio.value == 0.8
+    assert "`our-kernels`" in tq.estimates.kernel_slope_ratio.basis
+    # Columns the user did not measure still come from the built-in figures.
+    fp8 = rec(loaded, "llama-3.1-8b", "h200", context="32k").estimates.kernel_slope_ratio
+    assert fp8.value == round(LLAMA["fp8"] / LLAMA["sdpa_cudnn"], 3)
+
+
+def test_baseline_must_be_measured(tmp_path):
+    from kvpolicy.errors import KvPolicyError
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "extends: builtin:default\n"
+        "evidence:\n"
+        "  - id: no-baseline\n"
+        "    statement: s\n"
+        "    source: s\n"
+        "    kernels:\n"
+        "      - {gpu: h200, geometry: llama-3.1-8b, head_dim: 128, batch: 8,\n"
+        "         fits: {bf16: {slope_ns_per_token: 7.4}}}\n"
+    )
+    with pytest.raises(KvPolicyError, match="sdpa_cudnn"):
+        load_policy(path)
+
+
+def test_table_and_json_show_the_kernel_estimate(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    argv = ["recommend", "--model", "llama-3.3-70b", "--gpu", "h100", "--tp", "4", "--context", "128k",
+            "--concurrency", "10", "--accuracy-floor", "0.9"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    line = next(line for line in table.splitlines() if "kernel slope vs cuDNN" in line)
+    assert "1.03x (measured)" in line
+    assert main([*argv, "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["estimates"]["kernel_slope_ratio"]["value"] == round(LLAMA["turboquant_4bit_nc"] / LLAMA["sdpa_cudnn"], 3)

@@ -33,6 +33,9 @@ def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_
                       NUM_SUB=1, PAGE_SIZE=16, KV_FP8=fp8, FP8_QUERY=fp8_query, HAS_K_SCALE=fp8, HAS_V_SCALE=fp8,
                       K_SCALE_STRIDE=1, V_SCALE_STRIDE=1, HAS_WINDOW=False, HAS_SINKS=False, IS_SPLIT=True,
                       TWO_LEVEL=two_level, SWAP_AB=False, INTERPRET=False)
+    # the cache strides are compile-time constants: a contiguous cache of 8 KV heads, 16-token pages
+    for t in "kv":
+        constexprs.update({f"stride_{t}b": 16 * 8 * head_dim, f"stride_{t}t": 8 * head_dim, f"stride_{t}h": head_dim})
     if not fp8:
         POINTERS.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16")
     sig, attrs = {}, {}

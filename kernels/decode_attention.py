@@ -102,7 +102,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: D
 @triton.jit
 def _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE: tl.constexpr):
     """Physical page of each position `offs_n` (0 past the sequence)."""
-    return tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < seq_len, other=0).to(tl.int64)
+    # (unsigned: a shift, not a signed division)
+    return tl.load(bt_row + offs_n.to(tl.uint32) // PAGE_SIZE, mask=offs_n < seq_len, other=0).to(tl.int64)
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def _load_tile(k_base, v_base, page, offs_n, seq_len, start, offs_d,
                stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE: tl.constexpr):
     """K and V rows [BLOCK_N, HEAD_DIM] of positions `offs_n` in pages `page`; masked rows read nothing."""
     valid = (offs_n < seq_len) & (offs_n >= start)
-    in_page = offs_n % PAGE_SIZE
+    in_page = offs_n.to(tl.uint32) % PAGE_SIZE
     k = tl.load(k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
     v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
     return k, v, valid
@@ -223,10 +224,11 @@ def _decode_attention_kernel(
     k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     # scalars
     sm_scale, window, num_splits,
-    # strides (last dimension contiguous everywhere)
+    # strides (last dimension contiguous everywhere); the cache's are compiled
+    # in, so every row address is a page base plus a constant (NOTES.md v5)
     stride_qb, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_kb: tl.constexpr, stride_kt: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vb: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
     stride_bt,
     stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps,

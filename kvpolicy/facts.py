@@ -11,8 +11,15 @@ from typing import Any
 
 from kvpolicy.arch import ModelArch
 from kvpolicy.decision import Workload
-from kvpolicy.estimates import Layout, break_even, kernel_figure, kv_budget_bytes, max_concurrency, recovery
+from kvpolicy.estimates import (
+    Layout,
+    break_even,
+    kv_budget_bytes,
+    max_concurrency,
+    recovery,
+)
 from kvpolicy.gpus import GpuSpec
+from kvpolicy.kernel_figures import kernel_figure
 from kvpolicy.policy.schema import Policy
 
 FACTS: dict[str, str] = {

@@ -498,9 +498,26 @@ def evidence_block(records: list[dict], summary: list[dict], log: dict, gpu_id: 
                       f"Triton {log['triton']}, commit {log['commit']}"}
 
 
+def copy_bandwidth(device, nbytes: int = 1 << 30) -> dict[str, float]:
+    """Device-to-device copy of `nbytes` (the issue-5 bandwidth reference), timed like the kernels."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = time_calls([lambda: dst.copy_(src)], min_graph_ms=20.0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes": nbytes, "us": us, "read_tbps": nbytes / us / 1e6, "read_plus_write_tbps": 2 * nbytes / us / 1e6}
+
+
+TQ_SLOPE_TARGETS = {"turboquant_4bit_nc": 0.35, "turboquant_3bit_nc": 0.30}
+"""Issue 5: slope at most this multiple of cuDNN BF16's; k8v4 below FP8's ratio + 0.05."""
+
+
 def targets(records: list[dict], summary: list[dict], log: dict) -> list[str]:
-    """The issue's targets, per geometry and batch, with the measured numbers."""
+    """The issues' targets, per geometry and batch, with the measured numbers."""
     lines = []
+    copy = log.get("copy_bandwidth")
+    fp8_ratio = {(s["geometry"], s["batch"]): s["slope_ratio_vs_sdpa_cudnn"] for s in summary
+                 if s["column"] == "fp8" and "slope_ratio_vs_sdpa_cudnn" in s}
     by = {(r["geometry"], r["batch"], r["context"], r["column"]): r for r in records}
     for s in summary:
         g, b, c = s["geometry"], s["batch"], s["column"]
@@ -514,6 +531,17 @@ def targets(records: list[dict], summary: list[dict], log: dict) -> list[str]:
             be = s["break_even_vs_bf16"]
             ok = be is not None and be < 2048
             lines.append(f"{g} b={b} {c}: break-even vs our BF16 {'never' if be is None else f'{be:.0f}'} tokens (target < 2048) {'MET' if ok else 'MISSED'}")
+        if c.startswith("turboquant_") and "slope_ratio_vs_sdpa_cudnn" in s:
+            ratio = s["slope_ratio_vs_sdpa_cudnn"]
+            limit = TQ_SLOPE_TARGETS.get(c)
+            if limit is None and c == "turboquant_k8v4" and (g, b) in fp8_ratio:
+                limit = fp8_ratio[(g, b)] + 0.05
+            if limit is not None:
+                lines.append(f"{g} b={b} {c}: slope {ratio:.3f}x cuDNN BF16 (target <= {limit:.3f}) {'MET' if ratio <= limit else 'MISSED'}")
+        if c.startswith("turboquant_") and copy and (g, b, 131072, c) in by:
+            tb, ref = by[(g, b, 131072, c)]["tbps"], 0.7 * copy["read_plus_write_tbps"]
+            lines.append(f"{g} b={b} {c}: {tb:.2f} TB/s of KV at 128k (target >= 70% of this run's copy, "
+                         f"{ref:.2f} TB/s read+write) {'MET' if tb >= ref else 'MISSED'}")
         if c == "bf16":
             worst = None
             for ctx in sorted({r["context"] for r in records if r["context"] >= 16384}):
@@ -718,6 +746,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune:
         tune(device, log)
         save()
+    if any(f.startswith("turboquant_") for f in args.formats):
+        log["copy_bandwidth"] = copy_bandwidth(device)
+        print(f"# copy bandwidth: {log['copy_bandwidth']['read_plus_write_tbps']:.2f} TB/s read+write", flush=True)
     records = speed_table(args, device, log, save)
     summary = summarise(records, log)
     target_lines = targets(records, summary, log)

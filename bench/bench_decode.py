@@ -94,7 +94,7 @@ def _paged_row(name: str, dtype_name: str, per_head_scales: bool, **decode_kwarg
         opts = {**decode_kwargs, **kwargs}
         opts.setdefault("config", TUNED.get((name, query.shape[-1])))
         if opts["config"] is None and MIN_TOKENS_PER_SPLIT and query.is_cuda:
-            base = default_config(query.shape[-1], dtype_name == "fp8", query.device, bool(opts.get("fp8_query")))
+            base = default_config(query.shape[-1], dtype_name == "fp8", query.device)
             opts["config"] = replace(base, min_tokens_per_split=MIN_TOKENS_PER_SPLIT)
         return decode_attention(
             query, cache["key_cache"], cache["value_cache"], block_tables, seq_lens,
@@ -733,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), commit=os.environ.get("KVP_COMMIT", "unknown"), argv=sys.argv[1:],
         block_size=BLOCK_SIZE, rotate_bytes=ROTATE_BYTES,
-        default_configs={f"{n}/d{d}": asdict(default_config(d, n != "bf16", device, n == "fp8_q8")) for n in ("bf16", "fp8", "fp8_q8") for d in (64, 128)},
+        default_configs={f"{n}/d{d}": asdict(default_config(d, n != "bf16", device)) for n in ("bf16", "fp8") for d in (64, 128)},
     )
 
     def save() -> None:

@@ -68,7 +68,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def default_config(head_dim: int, kv_fp8: bool, device: torch.device, fp8_query: bool = False) -> DecodeConfig:
+def default_config(head_dim: int, kv_fp8: bool, device: torch.device) -> DecodeConfig:
     """Configuration for a head_dim and cache format: tuned on an H200 (bench/NOTES.md), large tiles under the interpreter."""
     if device.type != "cuda" or _interpreting():
         # The interpreter runs programs one after another in numpy: few, large tiles.
@@ -501,7 +501,7 @@ def decode_attention(
     if batch == 0:
         return out
 
-    cfg = config or default_config(head_dim, kv_fp8, device, fp8_query)
+    cfg = config or default_config(head_dim, kv_fp8, device)
     if cfg.swap_ab and cfg.block_n % 64:
         raise ValueError(f"swap_ab needs block_n a multiple of 64, got {cfg.block_n}")
     if cfg.swap_ab and cfg.num_stages < 2 and device.type == "cuda":

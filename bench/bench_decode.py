@@ -33,7 +33,6 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -45,6 +44,7 @@ from kvpolicy.kernels.reference import ref_decode_attention
 from kvpolicy.kernels.tq_decode import decode_attention_tq
 from kvpolicy.kernels.tq_store import store_kv_tq
 from kvpolicy.kernels.turboquant import TQ_FORMATS, allocate_tq_cache
+from kvpolicy.runtime.fit import break_even_tokens, fit_line
 
 BLOCK_SIZE = 16
 """vLLM's default KV block size."""
@@ -307,8 +307,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- tuning
 
 
-def _cfg(swap: bool, bn: int, nw: int, ns: int, sub: int = 1, maxnreg: int | None = None, pps: float = 8.0) -> DecodeConfig:
-    return DecodeConfig(block_n=bn, num_warps=nw, num_stages=ns, swap_ab=swap, programs_per_sm=pps, num_sub=sub, maxnreg=maxnreg)
+def _cfg(swap: bool, bn: int, nw: int, ns: int, pps: float = 8.0) -> DecodeConfig:
+    return DecodeConfig(block_n=bn, num_warps=nw, num_stages=ns, swap_ab=swap, programs_per_sm=pps)
 
 
 def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
@@ -373,24 +373,6 @@ def tune(device, log: dict) -> None:
 
 
 # --------------------------------------------------------------------------- speed table
-
-
-def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(slope us/token, intercept us) of a least-squares line through (context, us)."""
-    x = np.array([p[0] for p in points], dtype=float)
-    y = np.array([p[1] for p in points], dtype=float)
-    slope, intercept = np.polyfit(x, y, 1)
-    return float(slope), float(intercept)
-
-
-def break_even(a: tuple[float, float], b: tuple[float, float]) -> float | None:
-    """Context where line a (cheaper slope) meets line b; 0 when a is never slower, None when it never catches up."""
-    (sa, ia), (sb, ib) = a, b
-    if ia <= ib and sa <= sb:
-        return 0.0
-    if sa >= sb:
-        return None
-    return (ia - ib) / (sb - sa)
 
 
 def speed_table(args, device, log: dict, save: Callable[[], None]) -> list[dict]:
@@ -458,16 +440,19 @@ def summarise(records: list[dict], log: dict) -> list[dict]:
     for gname, batch in keys:
         sel = [r for r in records if r["geometry"] == gname and r["batch"] == batch]
         cols = list(dict.fromkeys(r["column"] for r in sel))
-        fits = {c: fit([(r["context"], r["us"]) for r in sel if r["column"] == c]) for c in cols if sum(r["column"] == c for r in sel) >= 2}
-        for c, (slope, intercept) in fits.items():
+        # kvpolicy.runtime.fit's line and break-even, in us instead of ms (the unit does not enter either)
+        fits = {c: fit_line([r["context"] for r in sel if r["column"] == c], [r["us"] for r in sel if r["column"] == c])
+                for c in cols if sum(r["column"] == c for r in sel) >= 2}
+        for c, line in fits.items():
+            slope, intercept = line.slope_ms_per_token, line.intercept_ms
             s = dict(geometry=gname, batch=batch, column=c, slope_ns_per_token=slope * 1e3, intercept_us=intercept)
             for base in ("sdpa_cudnn", "sdpa_flash"):
                 if base in fits:
-                    s[f"slope_ratio_vs_{base}"] = slope / fits[base][0]
+                    s[f"slope_ratio_vs_{base}"] = slope / fits[base].slope_ms_per_token
             if c != "bf16" and not c.startswith("sdpa") and "bf16" in fits:
-                s["break_even_vs_bf16"] = break_even(fits[c], fits["bf16"])
+                s["break_even_vs_bf16"] = break_even_tokens(fits["bf16"], line)
             if "sdpa_cudnn" in fits and c != "sdpa_cudnn":
-                s["break_even_vs_sdpa_cudnn"] = break_even(fits[c], fits["sdpa_cudnn"])
+                s["break_even_vs_sdpa_cudnn"] = break_even_tokens(fits["sdpa_cudnn"], line)
             summary.append(s)
     log["summary"] = summary
     return summary

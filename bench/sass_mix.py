@@ -36,14 +36,13 @@ def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_
     # the cache strides are compile-time constants: a contiguous cache of 8 KV heads, 16-token pages
     for t in "kv":
         constexprs.update({f"stride_{t}b": 16 * 8 * head_dim, f"stride_{t}t": 8 * head_dim, f"stride_{t}h": head_dim})
-    if not fp8:
-        POINTERS.update(k_cache_ptr="*bf16", v_cache_ptr="*bf16")
+    pointers = POINTERS if fp8 else {**POINTERS, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in POINTERS:
-            sig[name] = POINTERS[name]
+        elif name in pointers:
+            sig[name] = pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in FLOATS:
             sig[name] = "fp32"
@@ -81,8 +80,8 @@ def loop_mix(text: str) -> collections.Counter:
     addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
     best = (0, 0)
     for i, ln in enumerate(lines):
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ln)
-        if m and m.group(1):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", ln)  # cuobjdump prints absolute targets
+        if m:
             target = int(m.group(1), 16)
             if target < addr[i]:
                 j = addr.index(target) if target in addr else 0

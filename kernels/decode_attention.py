@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpolicy.kernels.paged_store import fp8_e4m3_bits
+from kvpolicy.kernels.paged_store import check_scale, fp8_e4m3_bits
 
 LOG2E = tl.constexpr(1.4426950408889634)
 P_SCALE = tl.constexpr(256.0)
@@ -439,14 +439,6 @@ def _check_inputs(
             raise ValueError(f"{name}: on {t.device}, query is on {query.device}")
 
 
-def _scale_stride(scale: torch.Tensor | None, name: str, num_kv_heads: int, device: torch.device) -> int:
-    if scale is None:
-        return 0
-    if scale.dtype != torch.float32 or scale.dim() != 1 or scale.shape[0] not in (1, num_kv_heads) or scale.device != device:
-        raise ValueError(f"{name}: expected float32 [1] or [{num_kv_heads}] on {device}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
-    return 1 if scale.shape[0] == num_kv_heads and num_kv_heads > 1 else 0
-
-
 def decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -488,8 +480,8 @@ def decode_attention(
     kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
     if fp8_query and not kv_fp8:
         raise ValueError("fp8_query needs an FP8 cache; the bfloat16 path multiplies in bf16")
-    k_stride = _scale_stride(k_scale, "k_scale", num_kv_heads, device)
-    v_stride = _scale_stride(v_scale, "v_scale", num_kv_heads, device)
+    k_stride = check_scale(k_scale, "k_scale", num_kv_heads, device)
+    v_stride = check_scale(v_scale, "v_scale", num_kv_heads, device)
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,) or sinks.device != device):
         raise ValueError(f"sinks: expected float32 [{num_q_heads}] on {device}, got {sinks.dtype} {tuple(sinks.shape)}")
     if sliding_window is not None and sliding_window <= 0:

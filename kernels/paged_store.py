@@ -115,7 +115,7 @@ def _paged_store_kernel(
         tl.store(dst_v, _bf16_bits(v.to(tl.float32)).to(tl.uint16), mask=mask)
 
 
-def _check_scale(scale: torch.Tensor | None, name: str, num_kv_heads: int, device: torch.device) -> int:
+def check_scale(scale: torch.Tensor | None, name: str, num_kv_heads: int, device: torch.device) -> int:
     """Validate a [1] or [num_kv_heads] fp32 scale; return its head stride (0 or 1)."""
     if scale is None:
         return 0
@@ -176,8 +176,8 @@ def store_kv(
         raise ValueError("k_scale/v_scale apply to FP8 caches only; a bfloat16 cache stores values unscaled")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("pass both k_scale and v_scale, or neither")
-    k_stride = _check_scale(k_scale, "k_scale", num_kv_heads, device)
-    v_stride = _check_scale(v_scale, "v_scale", num_kv_heads, device)
+    k_stride = check_scale(k_scale, "k_scale", num_kv_heads, device)
+    v_stride = check_scale(v_scale, "v_scale", num_kv_heads, device)
     if num_tokens == 0:
         return
     kc = key_cache.view(torch.uint8) if fp8 else key_cache

@@ -307,8 +307,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- tuning
 
 
-def _cfg(swap: bool, bn: int, nw: int, ns: int, pps: float = 8.0, ws: bool = False, maxnreg: int | None = None) -> DecodeConfig:
-    return DecodeConfig(block_n=bn, num_warps=nw, num_stages=ns, swap_ab=swap, programs_per_sm=pps, warp_split=ws, maxnreg=maxnreg)
+def _cfg(swap: bool, bn: int, nw: int, ns: int, pps: float = 8.0) -> DecodeConfig:
+    return DecodeConfig(block_n=bn, num_warps=nw, num_stages=ns, swap_ab=swap, programs_per_sm=pps)
 
 
 def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
@@ -317,17 +317,15 @@ def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
     NOTES.md: Triton keeps one smem buffer per K/V load, so a program has one
     tile in flight (v1); FP8 is latency-bound, so smaller tiles with more
     programs per SM can win (v4). Hand-pipelined register prefetch lost 1.5-2x (v4).
-    The warp split (v6) keeps each warp's softmax to itself: 16 or 32 positions per warp.
     """
     n = max(32, min(256, 16384 // head_dim))
     if fmt == "bf16":
-        return [_cfg(False, n, 4, 2, pps=2.0), _cfg(False, n // 2, 4, 3, pps=4.0),
-                _cfg(False, n // 2, 4, 3, pps=4.0, ws=True), _cfg(False, n, 4, 2, pps=2.0, ws=True),
-                _cfg(False, n // 2, 4, 3, pps=8.0, ws=True), _cfg(False, n // 2, 4, 4, pps=4.0, ws=True)]
-    ws = [_cfg(False, n // 2, 4, 3, pps=16.0, ws=True), _cfg(False, n // 2, 4, 2, pps=16.0, ws=True),
-          _cfg(False, n // 2, 4, 3, pps=16.0, ws=True, maxnreg=128), _cfg(False, n, 4, 2, pps=8.0, ws=True),
-          _cfg(False, n, 8, 3, pps=8.0, ws=True)]
-    return [_cfg(False, n // 2, 4, 3, pps=16.0), *ws]
+        return [_cfg(False, n, 4, 2, pps=2.0), _cfg(False, n // 2, 4, 3, pps=4.0), _cfg(False, n // 2, 4, 4, pps=4.0),
+                _cfg(False, n, 4, 3, pps=2.0), _cfg(False, n // 2, 4, 3, pps=8.0), _cfg(True, 64, 4, 2, pps=4.0)]
+    if fmt == "fp8":
+        return [_cfg(False, n // 2, 4, 2, pps=16.0), _cfg(False, n // 2, 4, 3, pps=16.0), _cfg(False, n // 2, 4, 4, pps=16.0),
+                _cfg(False, n, 4, 3, pps=8.0), _cfg(False, n // 2, 4, 3, pps=8.0), _cfg(False, max(32, n // 4), 4, 4, pps=16.0)]
+    return [_cfg(False, n // 2, 4, 2, pps=16.0), _cfg(False, n // 2, 4, 3, pps=16.0), _cfg(False, n, 4, 3, pps=8.0)]
 
 
 def tune(device, log: dict) -> None:

@@ -62,9 +62,6 @@ class DecodeConfig:
     """K/V tiles of `block_n` loaded together per loop iteration (1 or 2): more bytes in flight per program."""
     maxnreg: int | None = None
     """Register cap per thread (more resident programs per SM, at the price of spills); None: the compiler's choice."""
-    warp_split: bool = False
-    """Each warp runs its own online softmax over block_n / num_warps positions of every tile and the
-    warps' states merge once at the end: no cross-warp max, sum or P exchange per tile (standard form only)."""
 
 
 def _interpreting() -> bool:
@@ -121,19 +118,6 @@ def _load_tile(k_base, v_base, page, offs_n, seq_len, start, offs_d,
 
 
 @triton.jit
-def _load_tile3(k_base, v_base, page, offs_n, seq_len, start, offs_d,
-                stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE: tl.constexpr):
-    """`_load_tile` for positions of shape [W, TN]: K and V [W, TN, HEAD_DIM]."""
-    valid = (offs_n < seq_len) & (offs_n >= start)
-    in_page = offs_n.to(tl.uint32) % PAGE_SIZE
-    k = tl.load(k_base + (page * stride_kb + in_page * stride_kt)[:, :, None] + offs_d[None, None, :],
-                mask=valid[:, :, None], other=0)
-    v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, :, None] + offs_d[None, None, :],
-                mask=valid[:, :, None], other=0)
-    return k, v, valid
-
-
-@triton.jit
 def _e4m3_to_f16(x):
     """e4m3 bytes (uint8) to fp16, in registers: opaque to Triton, so the tile reaches the MMA as fp16."""
     return tl.inline_asm_elementwise(
@@ -151,11 +135,8 @@ def _e4m3_to_f16(x):
 @triton.jit
 def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
                  KV_FP8: tl.constexpr, FP8_QUERY: tl.constexpr, SWAP_AB: tl.constexpr,
-                 TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr, RANK3: tl.constexpr = False):
-    """One online-softmax step over a K/V tile: returns the updated (running max, denominator, accumulator).
-
-    RANK3 (warp split): every operand has a leading warp axis, k/v [W, TN, D], q_op [W, H, D],
-    m_i/l_i [W, H], acc [W, H, D]; the products are batched dots, one batch entry per warp."""
+                 TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr):
+    """One online-softmax step over a K/V tile: returns the updated (running max, denominator, accumulator)."""
     # FP8 operands and how they reach the MMA (bench/NOTES.md v4). V is the
     # transposed operand of P.V: left to itself, Triton keeps the e4m3 tile in
     # shared memory and gathers it byte by byte (LDS.U8) into the MMA layout.
@@ -185,10 +166,6 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
         s = tl.dot(k, q_op)  # [BLOCK_N, BLOCK_H]
         s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
-    elif RANK3:
-        s = tl.dot(q_op, tl.trans(k, (0, 2, 1)))  # [W, BLOCK_H, TN]
-        s = tl.where(valid[:, None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 2))
     else:
         s = tl.dot(q_op, tl.trans(k))  # [BLOCK_H, BLOCK_N]
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -200,9 +177,6 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
     if SWAP_AB:
         p = tl.exp2(s - m_ref[None, :])
         acc = acc * alpha[None, :]
-    elif RANK3:
-        p = tl.exp2(s - m_ref[:, :, None])
-        acc = acc * alpha[:, :, None]
     else:
         p = tl.exp2(s - m_ref[:, None])
         acc = acc * alpha[:, None]
@@ -235,10 +209,7 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
         else:
             acc = tl.dot(tl.trans(v), p_op, acc)
     else:
-        if RANK3:
-            l_i = l_i * alpha + tl.sum(p_w, 2)
-        else:
-            l_i = l_i * alpha + tl.sum(p_w, 1)
+        l_i = l_i * alpha + tl.sum(p_w, 1)
         if TWO_LEVEL:
             acc += tl.dot(p_op, v)
         else:
@@ -281,7 +252,6 @@ def _decode_attention_kernel(
     # how
     TWO_LEVEL: tl.constexpr,
     SWAP_AB: tl.constexpr,
-    WARPS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
@@ -337,51 +307,27 @@ def _decode_attention_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    if WARPS > 1:
-        # Warp split: the tile's positions are [WARPS, TN], one row per warp, and every
-        # per-tile reduction stays inside a warp (NOTES.md v6). The block-table entries
-        # run one tile ahead as below.
-        TN: tl.constexpr = BLOCK_N // WARPS
-        tok = tl.reshape(tl.arange(0, BLOCK_N), [WARPS, TN])
-        q3 = tl.broadcast_to(tl.expand_dims(q_op, 0), [WARPS, BLOCK_H, HEAD_DIM])
-        m3 = tl.full([WARPS, BLOCK_H], float("-inf"), tl.float32)
-        l3 = tl.zeros([WARPS, BLOCK_H], tl.float32)
-        acc3 = tl.zeros([WARPS, BLOCK_H, HEAD_DIM], tl.float32)
-        pages3 = _load_pages(bt_row, tile_lo * TILE + tok, seq_len, PAGE_SIZE)
-        for tile in range(tile_lo, tile_hi):
-            offs_n3 = tile * TILE + tok
-            k3, v3, valid3 = _load_tile3(k_base, v_base, pages3, offs_n3, seq_len, start, offs_d,
-                                         stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
-            pages3 = _load_pages(bt_row, offs_n3 + TILE, seq_len, PAGE_SIZE)
-            m3, l3, acc3 = _attend_tile(k3, v3, valid3, q3, qk_scale, m3, l3, acc3,
-                                        KV_FP8, FP8_QUERY, False, TWO_LEVEL, INTERPRET, True)
-        # merge the warps' states (once per program)
-        m_i = tl.max(m3, 0)
-        wgt = tl.exp2(m3 - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-        l_i = tl.sum(l3 * wgt, 0)
-        acc = tl.sum(acc3 * wgt[:, :, None], 0)
-    else:
-        # The block-table entries of the next tile are loaded one iteration ahead:
-        # K/V addresses then never wait on a load issued in the same iteration, so
-        # the page look-up's round trip leaves the loop's critical path.
-        offs_n = tile_lo * TILE + tl.arange(0, BLOCK_N)
-        pages0 = _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE)
+    # The block-table entries of the next tile are loaded one iteration ahead:
+    # K/V addresses then never wait on a load issued in the same iteration, so
+    # the page look-up's round trip leaves the loop's critical path.
+    offs_n = tile_lo * TILE + tl.arange(0, BLOCK_N)
+    pages0 = _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE)
+    if NUM_SUB == 2:
+        pages1 = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * TILE + tl.arange(0, BLOCK_N)
+        k0, v0, valid0 = _load_tile(k_base, v_base, pages0, offs_n, seq_len, start, offs_d,
+                                    stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
         if NUM_SUB == 2:
-            pages1 = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
-        for tile in range(tile_lo, tile_hi):
-            offs_n = tile * TILE + tl.arange(0, BLOCK_N)
-            k0, v0, valid0 = _load_tile(k_base, v_base, pages0, offs_n, seq_len, start, offs_d,
+            k1, v1, valid1 = _load_tile(k_base, v_base, pages1, offs_n + BLOCK_N, seq_len, start, offs_d,
                                         stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
-            if NUM_SUB == 2:
-                k1, v1, valid1 = _load_tile(k_base, v_base, pages1, offs_n + BLOCK_N, seq_len, start, offs_d,
-                                            stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
-                pages1 = _load_pages(bt_row, offs_n + TILE + BLOCK_N, seq_len, PAGE_SIZE)
-            pages0 = _load_pages(bt_row, offs_n + TILE, seq_len, PAGE_SIZE)
-            m_i, l_i, acc = _attend_tile(k0, v0, valid0, q_op, qk_scale, m_i, l_i, acc,
+            pages1 = _load_pages(bt_row, offs_n + TILE + BLOCK_N, seq_len, PAGE_SIZE)
+        pages0 = _load_pages(bt_row, offs_n + TILE, seq_len, PAGE_SIZE)
+        m_i, l_i, acc = _attend_tile(k0, v0, valid0, q_op, qk_scale, m_i, l_i, acc,
+                                     KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
+        if NUM_SUB == 2:
+            m_i, l_i, acc = _attend_tile(k1, v1, valid1, q_op, qk_scale, m_i, l_i, acc,
                                          KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
-            if NUM_SUB == 2:
-                m_i, l_i, acc = _attend_tile(k1, v1, valid1, q_op, qk_scale, m_i, l_i, acc,
-                                             KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
 
     out_scale = 1.0
     if KV_FP8:
@@ -556,9 +502,6 @@ def decode_attention(
         raise ValueError("swap_ab needs num_stages >= 2")
     if cfg.num_sub not in (1, 2):
         raise ValueError(f"num_sub must be 1 or 2, got {cfg.num_sub}")
-    if cfg.warp_split and (cfg.swap_ab or cfg.num_sub != 1 or cfg.block_n % (16 * cfg.num_warps)):
-        raise ValueError("warp_split needs the standard form, num_sub 1 and block_n a multiple of 16 x num_warps; "
-                         f"got swap_ab={cfg.swap_ab}, num_sub={cfg.num_sub}, block_n={cfg.block_n}, num_warps={cfg.num_warps}")
     max_context = block_tables.shape[1] * page_size
     if sliding_window is not None:
         max_context = min(max_context, sliding_window + cfg.block_n * cfg.num_sub)
@@ -603,7 +546,6 @@ def decode_attention(
         IS_SPLIT=is_split,
         TWO_LEVEL=two_level,
         SWAP_AB=cfg.swap_ab,
-        WARPS=cfg.num_warps if cfg.warp_split else 1,
         INTERPRET=_interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -8,7 +8,6 @@ position the sequence does not attend turns the output into NaN.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -109,10 +108,7 @@ SEQ_LENS = [1, 37, 300]  # one token; partly filled last block; several tiles
 SINKS = object()  # marker: draw sinks for the case
 
 
-WARP_SPLIT = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=1.0, min_tokens_per_split=64,
-                          warp_split=True)
-"""Each warp keeps its own softmax state over 16 of the tile's 64 positions; merged at the end."""
-CONFIGS = {"default": None, "swapped": SWAPPED, "paired": PAIRED, "warp_split": WARP_SPLIT}
+CONFIGS = {"default": None, "swapped": SWAPPED, "paired": PAIRED}
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -127,11 +123,11 @@ def test_bf16_matches_reference(device: str, head_dim: int, config: str, window,
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("config", ["default", "swapped", "warp_split"])
-def test_fp8_matches_reference(device: str, head_dim: int, per_head: bool, config: str) -> None:
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_fp8_matches_reference(device: str, head_dim: int, per_head: bool, swap_ab: bool) -> None:
     case = make_case(device, SEQ_LENS, 16, 2, head_dim, "fp8", per_head=per_head, value_offset=1.0)
     sinks = torch.randn(16, device=device)
-    config = CONFIGS[config]
+    config = SWAPPED if swap_ab else None
     run_and_check(case, TOL_FP8, sinks=sinks, num_splits=2, config=config)
     run_and_check(case, TOL_FP8, sliding_window=40, num_splits=1, config=config)
 
@@ -199,8 +195,6 @@ def test_rejects_bad_inputs(device: str) -> None:
         decode_attention(**{**case, "k_scale": torch.ones(5, device=device)})
     with pytest.raises(ValueError, match="sliding_window"):
         decode_attention(**case, sliding_window=0)
-    with pytest.raises(ValueError, match="warp_split"):
-        decode_attention(**case, config=dataclasses.replace(WARP_SPLIT, block_n=32))
 
 
 # ---------------------------------------------------------------- GPU only
@@ -209,19 +203,17 @@ def test_rejects_bad_inputs(device: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("geometry", ["llama", "gpt-oss"])
-@pytest.mark.parametrize("config", ["default", "warp_split"])
-def test_gpu_realistic_shapes(device: str, fmt: str, geometry: str, config: str) -> None:
+def test_gpu_realistic_shapes(device: str, fmt: str, geometry: str) -> None:
     """Llama-3.1-8B and gpt-oss-20b layer shapes, mixed lengths up to 9k, default splits."""
-    config = CONFIGS[config]
     q_heads, kv_heads, head_dim = (32, 8, 128) if geometry == "llama" else (64, 8, 64)
     case = make_case(device, [1, 1000, 4099, 9001], q_heads, kv_heads, head_dim, fmt,
                      per_head=True if fmt == "fp8" else None, value_offset=1.0 if fmt == "fp8" else 0.0)
     sinks = torch.randn(q_heads, device=device) if geometry == "gpt-oss" else None
     tol = TOL_FP8 if fmt == "fp8" else TOL_BF16
-    run_and_check(case, tol, sinks=sinks, config=config)
-    run_and_check(case, tol, sinks=sinks, sliding_window=128, config=config)
+    run_and_check(case, tol, sinks=sinks)
+    run_and_check(case, tol, sinks=sinks, sliding_window=128)
     if fmt == "fp8":
-        run_and_check(case, TOL_FP8_QUERY, sinks=sinks, fp8_query=True, config=config)
+        run_and_check(case, TOL_FP8_QUERY, sinks=sinks, fp8_query=True)
 
 
 @pytest.mark.gpu

@@ -27,7 +27,7 @@ FLOATS = {"sm_scale"}
 
 
 def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_warps: int, num_stages: int,
-                   group: int, two_level: bool):
+                   group: int, two_level: bool, maxnreg: int | None = None):
     fn = da._decode_attention_kernel
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
                       NUM_SUB=1, PAGE_SIZE=16, KV_FP8=fp8, FP8_QUERY=fp8_query, HAS_K_SCALE=fp8, HAS_V_SCALE=fp8,
@@ -51,7 +51,8 @@ def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_
             if name.startswith("stride_") and name not in ("stride_ps",):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                                                **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def sass(kernel) -> str:
@@ -106,9 +107,10 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--one-level", action="store_true")
+    ap.add_argument("--maxnreg", type=int)
     ap.add_argument("--dump", help="write the full SASS here")
     a = ap.parse_args()
-    k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level)
+    k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level, a.maxnreg)
     text = sass(k)
     if a.dump:
         with open(a.dump, "w") as f:
@@ -118,7 +120,9 @@ def main() -> None:
     total = sum(ops.values())
     kv_bytes = a.block_n * a.head_dim * 2 * (1 if a.fp8 else 2)
     print(f"shared {k.metadata.shared} B; {resources(k)}")
-    print(f"loop: {total} instructions per thread per tile of {kv_bytes // 1024} KB = {total / (kv_bytes / 1024):.1f}/KB")
+    bars = sum(n for op, n in ops.items() if op.startswith("BAR"))
+    print(f"loop: {total} instructions per thread per tile of {kv_bytes // 1024} KB = {total / (kv_bytes / 1024):.1f}/KB, "
+          f"{total * a.num_warps / (kv_bytes / 1024):.1f} warp-instructions/KB, {bars} barriers")
     fam = collections.Counter()
     for op, n in ops.items():
         fam[op.split(".")[0]] += n

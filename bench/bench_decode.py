@@ -78,17 +78,11 @@ TUNED: dict[tuple[str, int], DecodeConfig] = {}
 """Configs chosen by --tune for this run, by (row name, head_dim) (empty: the kernel's defaults)."""
 
 
-def _paged_row(name: str, dtype_name: str, per_head_scales: bool, v_token_major: bool = False,
-               **decode_kwargs: Any) -> dict[str, Any]:
-    """A row for our paged kernels: store_kv + decode_attention with fixed options.
-
-    `v_token_major`: V stored [blocks, block_size, heads, head_dim] (BF16's layout) instead of
-    allocate_cache's FP8 layout, to measure the layout change in the same run (NOTES.md v6)."""
+def _paged_row(name: str, dtype_name: str, per_head_scales: bool, **decode_kwargs: Any) -> dict[str, Any]:
+    """A row for our paged kernels: store_kv + decode_attention with fixed options."""
 
     def allocate(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device: torch.device) -> dict:
         k, v = allocate_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype_name, device)
-        if v_token_major:
-            v = torch.empty(v.shape, dtype=v.dtype, device=device)
         return {"key_cache": k, "value_cache": v, "k_scale": None, "v_scale": None}
 
     def store(cache: dict, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -186,7 +180,6 @@ FORMATS: dict[str, dict[str, Any]] = {
     "bf16": _paged_row("bf16", "bfloat16", per_head_scales=False),
     "fp8": _paged_row("fp8", "fp8", per_head_scales=True),
     "fp8_q8": _paged_row("fp8_q8", "fp8", per_head_scales=True, fp8_query=True),
-    "fp8_vtok": _paged_row("fp8_vtok", "fp8", per_head_scales=True, v_token_major=True),
     **{fmt: _tq_row(fmt) for fmt in TQ_FORMATS},
 }
 SDPA_COLUMNS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
@@ -314,8 +307,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- tuning
 
 
-def _cfg(swap: bool, bn: int, nw: int, ns: int, pps: float = 8.0, maxnreg: int | None = None) -> DecodeConfig:
-    return DecodeConfig(block_n=bn, num_warps=nw, num_stages=ns, swap_ab=swap, programs_per_sm=pps, maxnreg=maxnreg)
+def _cfg(swap: bool, bn: int, nw: int, ns: int, pps: float = 8.0) -> DecodeConfig:
+    return DecodeConfig(block_n=bn, num_warps=nw, num_stages=ns, swap_ab=swap, programs_per_sm=pps)
 
 
 def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
@@ -327,24 +320,19 @@ def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
     """
     n = max(32, min(256, 16384 // head_dim))
     if fmt == "bf16":
-        # v6: the masked edge-tile loop raises the kernel's register count; capped, only it spills
-        return [_cfg(False, n, 4, 2, pps=2.0), _cfg(False, n, 4, 2, pps=2.0, maxnreg=128),
-                _cfg(False, n // 2, 4, 3, pps=4.0), _cfg(False, n // 2, 4, 3, pps=4.0, maxnreg=128),
-                _cfg(False, n, 4, 3, pps=2.0, maxnreg=128)]
-    h = n // 2
-    return [_cfg(False, h, 4, 3, pps=16.0), _cfg(False, h, 4, 3, pps=16.0, maxnreg=104),
-            _cfg(False, h, 4, 3, pps=16.0, maxnreg=96), _cfg(False, h, 4, 4, pps=16.0, maxnreg=96),
-            _cfg(False, h, 4, 2, pps=16.0, maxnreg=96), _cfg(False, h, 4, 3, pps=16.0, maxnreg=80),
-            _cfg(False, max(32, h // 2), 4, 3, pps=16.0, maxnreg=96), _cfg(False, n, 4, 3, pps=8.0, maxnreg=128)]
+        return [_cfg(False, n, 4, 2, pps=2.0), _cfg(False, n // 2, 4, 3, pps=4.0), _cfg(False, n // 2, 4, 4, pps=4.0),
+                _cfg(False, n, 4, 3, pps=2.0), _cfg(False, n // 2, 4, 3, pps=8.0), _cfg(True, 64, 4, 2, pps=4.0)]
+    if fmt == "fp8":
+        return [_cfg(False, n // 2, 4, 2, pps=16.0), _cfg(False, n // 2, 4, 3, pps=16.0), _cfg(False, n // 2, 4, 4, pps=16.0),
+                _cfg(False, n, 4, 3, pps=8.0), _cfg(False, n // 2, 4, 3, pps=8.0), _cfg(False, max(32, n // 4), 4, 4, pps=16.0)]
+    return [_cfg(False, n // 2, 4, 2, pps=16.0), _cfg(False, n // 2, 4, 3, pps=16.0), _cfg(False, n, 4, 3, pps=8.0)]
 
 
-def tune(device, log: dict, formats: list[str]) -> None:
-    """Per row (of bf16/fp8/fp8_q8 in `formats`) and geometry: pick the tile config, then the split target,
-    at 32k (batch 8 and 1)."""
+def tune(device, log: dict) -> None:
+    """Per row and geometry: pick the tile config, then the split target, at 32k (batch 8 and 1)."""
     context = 32768
     results = []
-    for fmt, (gname, geom) in ((f, g) for f in ("bf16", "fp8", "fp8_q8") if f in formats
-                              for g in GEOMETRIES.items()):
+    for fmt, (gname, geom) in ((f, g) for f in ("bf16", "fp8", "fp8_q8") for g in GEOMETRIES.items()):
         candidates = tune_candidates(fmt, geom.head_dim)
         row = FORMATS[fmt]
         cases = {b: build_case(geom, b, context, {fmt: row}, sdpa=True, copies=1, device=device) for b in (8, 1)}
@@ -741,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# bench_decode {log['date']} on {log['gpu']} (torch {log['torch']}, triton {log['triton']}, commit {log['commit']})", flush=True)
     if args.tune:
-        tune(device, log, args.formats)
+        tune(device, log)
         save()
     if any(f.startswith("turboquant_") for f in args.formats):
         log["copy_bandwidth"] = copy_bandwidth(device)

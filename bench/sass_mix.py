@@ -27,18 +27,15 @@ FLOATS = {"sm_scale"}
 
 
 def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_warps: int, num_stages: int,
-                   group: int, two_level: bool, maxnreg: int | None = None, v_dim_major: bool = False):
+                   group: int, two_level: bool, maxnreg: int | None = None):
     fn = da._decode_attention_kernel
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-                      PAGE_SIZE=16, KV_FP8=fp8, FP8_QUERY=fp8_query, HAS_K_SCALE=fp8, HAS_V_SCALE=fp8,
+                      NUM_SUB=1, PAGE_SIZE=16, KV_FP8=fp8, FP8_QUERY=fp8_query, HAS_K_SCALE=fp8, HAS_V_SCALE=fp8,
                       K_SCALE_STRIDE=1, V_SCALE_STRIDE=1, HAS_WINDOW=False, HAS_SINKS=False, IS_SPLIT=True,
                       TWO_LEVEL=two_level, SWAP_AB=False, INTERPRET=False)
     # the cache strides are compile-time constants: a contiguous cache of 8 KV heads, 16-token pages
     for t in "kv":
         constexprs.update({f"stride_{t}b": 16 * 8 * head_dim, f"stride_{t}t": 8 * head_dim, f"stride_{t}h": head_dim})
-    constexprs["stride_vd"] = 1
-    if v_dim_major:  # V pages stored [kv_heads, head_dim, 16 tokens] (allocate_cache's FP8 layout)
-        constexprs.update(stride_vt=1, stride_vd=16, stride_vh=16 * head_dim)
     pointers = POINTERS if fp8 else {**POINTERS, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -79,20 +76,18 @@ def resources(kernel) -> str:
 
 
 def loop_mix(text: str) -> collections.Counter:
-    """Opcode counts of the main KV loop: of the backward-branch loops, the one with the most async copies
-    (the pipelined loop; the kernel's masked edge-tile loops run unpipelined), then the largest."""
+    """Opcode counts of the largest backward-branch loop body."""
     lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
-    best, best_key = (0, 0), (-1, -1)
+    best = (0, 0)
     for i, ln in enumerate(lines):
         m = re.search(r"BRA\s+0x([0-9a-f]+)", ln)  # cuobjdump prints absolute targets
         if m:
             target = int(m.group(1), 16)
             if target < addr[i]:
                 j = addr.index(target) if target in addr else 0
-                key = (sum("LDGSTS" in x for x in lines[j:i + 1]), i - j)
-                if key > best_key:
-                    best, best_key = (j, i), key
+                if i - j > best[1] - best[0]:
+                    best = (j, i)
     body = lines[best[0]:best[1] + 1]
     ops = collections.Counter()
     for ln in body:
@@ -113,11 +108,9 @@ def main() -> None:
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--one-level", action="store_true")
     ap.add_argument("--maxnreg", type=int)
-    ap.add_argument("--v-token-major", action="store_true", help="V pages [16 tokens, kv_heads, head_dim] (BF16's layout)")
     ap.add_argument("--dump", help="write the full SASS here")
     a = ap.parse_args()
-    k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level, a.maxnreg,
-                       a.fp8 and not a.v_token_major)
+    k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level, a.maxnreg)
     text = sass(k)
     if a.dump:
         with open(a.dump, "w") as f:

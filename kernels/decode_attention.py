@@ -58,6 +58,8 @@ class DecodeConfig:
     """Split-KV target: choose splits so that about this many programs run per SM."""
     min_tokens_per_split: int = 128
     """Never split a sequence into pieces shorter than this."""
+    num_sub: int = 1
+    """K/V tiles of `block_n` loaded together per loop iteration (1 or 2): more bytes in flight per program."""
     maxnreg: int | None = None
     """Register cap per thread (more resident programs per SM, at the price of spills); None: the compiler's choice."""
 
@@ -93,7 +95,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: D
     """Splits per sequence: enough programs to fill the GPU, none shorter than `min_tokens_per_split`."""
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
     want = -(-int(config.programs_per_sm * num_sms) // (batch * num_kv_heads))
-    cap = max(1, -(-max_context // max(config.min_tokens_per_split, config.block_n)))
+    cap = max(1, -(-max_context // max(config.min_tokens_per_split, config.block_n * config.num_sub)))
     return max(1, min(want, cap, 128))
 
 
@@ -106,27 +108,12 @@ def _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def _load_tile(k_base, v_base, page, offs_n, seq_len, start, offs_d,
-               stride_kb, stride_kt, stride_vb, stride_vt, stride_vd, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """K and V [BLOCK_N, HEAD_DIM] of positions `offs_n` in pages `page`, and which positions are attended.
-
-    MASKED: positions outside [start, seq_len) read nothing (zeros). Unmasked (a tile the
-    sequence fills): every load is a plain vector load, and V may be token-contiguous
-    (stride_vt == 1) and still load in 16-byte vectors, which a per-position mask forbids.
-    """
+               stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE: tl.constexpr):
+    """K and V rows [BLOCK_N, HEAD_DIM] of positions `offs_n` in pages `page`; masked rows read nothing."""
     valid = (offs_n < seq_len) & (offs_n >= start)
     in_page = offs_n.to(tl.uint32) % PAGE_SIZE
-    # Tiles start on page boundaries, so a page base is constant over runs of
-    # min(PAGE_SIZE, BLOCK_N) positions: Triton cannot see that through the
-    # block-table load, and needs it to vectorise a token-contiguous V.
-    RUN: tl.constexpr = PAGE_SIZE if PAGE_SIZE < offs_n.shape[0] else offs_n.shape[0]
-    k_ptr = k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :]
-    v_ptr = v_base + (tl.max_constancy(page * stride_vb, RUN) + in_page * stride_vt)[:, None] + offs_d[None, :] * stride_vd
-    if MASKED:
-        k = tl.load(k_ptr, mask=valid[:, None], other=0)
-        v = tl.load(v_ptr, mask=valid[:, None], other=0)
-    else:
-        k = tl.load(k_ptr)
-        v = tl.load(v_ptr)
+    k = tl.load(k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+    v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
     return k, v, valid
 
 
@@ -148,7 +135,7 @@ def _e4m3_to_f16(x):
 @triton.jit
 def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
                  KV_FP8: tl.constexpr, FP8_QUERY: tl.constexpr, SWAP_AB: tl.constexpr,
-                 TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr, MASKED: tl.constexpr, V_DIM_MAJOR: tl.constexpr):
+                 TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr):
     """One online-softmax step over a K/V tile: returns the updated (running max, denominator, accumulator)."""
     # FP8 operands and how they reach the MMA (bench/NOTES.md v4). V is the
     # transposed operand of P.V: left to itself, Triton keeps the e4m3 tile in
@@ -156,9 +143,7 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
     # Converted to fp16 in registers by opaque inline asm instead, it is staged
     # in shared memory as fp16 and read with ldmatrix.trans. K is K-major, and
     # Triton reads its e4m3 bytes with ldmatrix already (converting K the same
-    # way measured slower: more shared-memory traffic). allocate_cache's FP8 V
-    # keeps a block's positions contiguous (V_DIM_MAJOR): K-major for P.V too,
-    # read like K, with no fp16 copy at all (NOTES.md v6).
+    # way measured slower: more shared-memory traffic).
     if KV_FP8:
         if INTERPRET:
             k = k.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -172,23 +157,18 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
             k = k.to(tl.float8e4nv, bitcast=True)
             if not FP8_QUERY:
                 k = k.to(tl.float16)
-            if V_DIM_MAJOR:
-                v = v.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            else:
-                v = _e4m3_to_f16(v)
+            v = _e4m3_to_f16(v)
     elif INTERPRET:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
     if SWAP_AB:
-        s = tl.dot(k, q_op) * qk_scale  # [BLOCK_N, BLOCK_H]
-        if MASKED:
-            s = tl.where(valid[:, None], s, float("-inf"))
+        s = tl.dot(k, q_op)  # [BLOCK_N, BLOCK_H]
+        s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
     else:
-        s = tl.dot(q_op, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N]
-        if MASKED:
-            s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.dot(q_op, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
     # A sub-tile can be wholly masked (window start, sequence end) before any
     # position was seen: keep exp2 away from (-inf) - (-inf).
@@ -248,7 +228,7 @@ def _decode_attention_kernel(
     # in, so every row address is a page base plus a constant (NOTES.md v5)
     stride_qb, stride_qh,
     stride_kb: tl.constexpr, stride_kt: tl.constexpr, stride_kh: tl.constexpr,
-    stride_vb: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr, stride_vd: tl.constexpr,
+    stride_vb: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
     stride_bt,
     stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps,
@@ -257,6 +237,7 @@ def _decode_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_SUB: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     # features
     KV_FP8: tl.constexpr,
@@ -281,16 +262,13 @@ def _decode_attention_kernel(
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    first_tile = start // BLOCK_N
-    end_tile = (seq_len + BLOCK_N - 1) // BLOCK_N
+    TILE = BLOCK_N * NUM_SUB
+    first_tile = start // TILE
+    end_tile = (seq_len + TILE - 1) // TILE
     # (tl.cdiv is not callable under the interpreter in Triton 3.9)
     tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, end_tile)
-    # Tiles [full_lo, full_hi) lie wholly inside [start, seq_len): they run
-    # unmasked. At most one tile at each end of the split needs masks.
-    full_lo = tl.minimum(tl.maximum(tile_lo, (start + BLOCK_N - 1) // BLOCK_N), tile_hi)
-    full_hi = tl.maximum(full_lo, tl.minimum(tile_hi, seq_len // BLOCK_N))
 
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < GROUP
@@ -329,27 +307,27 @@ def _decode_attention_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    V_DIM_MAJOR: tl.constexpr = stride_vt == 1
-    # The masked tiles (at most a window's first and the sequence's last) share one loop,
-    # so their code, and the registers it needs, exist once.
-    n_head = full_lo - tile_lo
-    for e in range(0, n_head + tile_hi - full_hi):
-        offs_n = tl.where(e < n_head, tile_lo, full_hi) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v, valid = _load_tile(k_base, v_base, _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE), offs_n, seq_len, start,
-                                 offs_d, stride_kb, stride_kt, stride_vb, stride_vt, stride_vd, PAGE_SIZE, True)
-        m_i, l_i, acc = _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
-                                     KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET, True, V_DIM_MAJOR)
     # The block-table entries of the next tile are loaded one iteration ahead:
     # K/V addresses then never wait on a load issued in the same iteration, so
     # the page look-up's round trip leaves the loop's critical path.
-    pages = _load_pages(bt_row, full_lo * BLOCK_N + tl.arange(0, BLOCK_N), seq_len, PAGE_SIZE)
-    for tile in range(full_lo, full_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v, valid = _load_tile(k_base, v_base, pages, offs_n, seq_len, start, offs_d,
-                                 stride_kb, stride_kt, stride_vb, stride_vt, stride_vd, PAGE_SIZE, False)
-        pages = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
-        m_i, l_i, acc = _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
-                                     KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET, False, V_DIM_MAJOR)
+    offs_n = tile_lo * TILE + tl.arange(0, BLOCK_N)
+    pages0 = _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE)
+    if NUM_SUB == 2:
+        pages1 = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * TILE + tl.arange(0, BLOCK_N)
+        k0, v0, valid0 = _load_tile(k_base, v_base, pages0, offs_n, seq_len, start, offs_d,
+                                    stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
+        if NUM_SUB == 2:
+            k1, v1, valid1 = _load_tile(k_base, v_base, pages1, offs_n + BLOCK_N, seq_len, start, offs_d,
+                                        stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
+            pages1 = _load_pages(bt_row, offs_n + TILE + BLOCK_N, seq_len, PAGE_SIZE)
+        pages0 = _load_pages(bt_row, offs_n + TILE, seq_len, PAGE_SIZE)
+        m_i, l_i, acc = _attend_tile(k0, v0, valid0, q_op, qk_scale, m_i, l_i, acc,
+                                     KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
+        if NUM_SUB == 2:
+            m_i, l_i, acc = _attend_tile(k1, v1, valid1, q_op, qk_scale, m_i, l_i, acc,
+                                         KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
 
     out_scale = 1.0
     if KV_FP8:
@@ -436,13 +414,8 @@ def _check_inputs(
     if query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"query: dtype {query.dtype}; expected bfloat16, float16 or float32")
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.dim() != 4:
+        if c.dim() != 4 or c.stride(-1) != 1:
             raise ValueError(f"{name}: expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(c.shape)}")
-    if key_cache.stride(-1) != 1:
-        raise ValueError("key_cache: head_dim must be its contiguous dimension")
-    if value_cache.stride(-1) != 1 and value_cache.stride(1) != 1:
-        raise ValueError("value_cache: head_dim or the position in the block must be its contiguous dimension "
-                         "(allocate_cache's layouts)")
         if c.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
             raise ValueError(f"{name}: dtype {c.dtype} is not supported; expected bfloat16 or float8_e4m3fn")
     if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
@@ -527,9 +500,11 @@ def decode_attention(
         # Seen on an H200 with Triton 3.6: the swapped (wgmma) form with one
         # stage gave wrong results (relative error ~0.5); two or more matched.
         raise ValueError("swap_ab needs num_stages >= 2")
+    if cfg.num_sub not in (1, 2):
+        raise ValueError(f"num_sub must be 1 or 2, got {cfg.num_sub}")
     max_context = block_tables.shape[1] * page_size
     if sliding_window is not None:
-        max_context = min(max_context, sliding_window + cfg.block_n)
+        max_context = min(max_context, sliding_window + cfg.block_n * cfg.num_sub)
     splits = num_splits if num_splits is not None else choose_num_splits(batch, num_kv_heads, max_context, cfg, device)
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
@@ -550,7 +525,7 @@ def decode_attention(
         float(head_dim**-0.5 if sm_scale is None else sm_scale), int(sliding_window or 0), splits,
         query.stride(0), query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
+        vc.stride(0), vc.stride(1), vc.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         num_q_heads * splits, splits, 1,
@@ -558,6 +533,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n,
+        NUM_SUB=cfg.num_sub,
         PAGE_SIZE=page_size,
         KV_FP8=kv_fp8,
         FP8_QUERY=fp8_query,

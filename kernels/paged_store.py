@@ -64,10 +64,10 @@ def _paged_store_kernel(
     # tensors
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     k_scale_ptr, v_scale_ptr,
-    # strides (last dimension contiguous, except in an FP8 value cache: see allocate_cache)
+    # strides (last dimension contiguous)
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kct, stride_kch,
-    stride_vcb, stride_vct, stride_vch, stride_vcd,
+    stride_vcb, stride_vct, stride_vch,
     # sizes
     num_kv_heads,
     HEAD_DIM: tl.constexpr,
@@ -92,7 +92,7 @@ def _paged_store_kernel(
     src_k = key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     src_v = value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     dst_k = key_cache_ptr + block * stride_kcb + offset * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
-    dst_v = value_cache_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
+    dst_v = value_cache_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
     k = tl.load(src_k, mask=mask, other=0.0)
     v = tl.load(src_v, mask=mask, other=0.0)
     if FP8:
@@ -152,9 +152,8 @@ def store_kv(
     if key.shape != value.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if c.dim() != 4 or (c.stride(-1) != 1 and (name == "key_cache" or c.stride(1) != 1)):
-            raise ValueError(f"{name}: expected [num_blocks, block_size, num_kv_heads, head_dim] laid out as "
-                             f"allocate_cache() does, got shape {tuple(c.shape)} strides {c.stride()}")
+        if c.dim() != 4 or c.stride(-1) != 1:
+            raise ValueError(f"{name}: expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(c.shape)}")
         if c.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
             raise ValueError(f"{name}: dtype {c.dtype} is not supported; use allocate_cache() (bfloat16 or fp8 e4m3)")
     if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
@@ -192,7 +191,7 @@ def store_kv(
         k_scale if k_scale is not None else key, v_scale if v_scale is not None else value,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
@@ -229,21 +228,12 @@ def compute_kv_scales(key: torch.Tensor, value: torch.Tensor, per_head: bool) ->
 def allocate_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_name: str, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate uninitialised (key_cache, value_cache), both indexed [num_blocks, block_size, num_kv_heads, head_dim].
+    """Allocate uninitialised (key_cache, value_cache) [num_blocks, block_size, num_kv_heads, head_dim].
 
     `dtype_name` is a vLLM `--kv-cache-dtype`: "auto" or "bfloat16" (bf16), "fp8" or "fp8_e4m3" (e4m3fn).
-    An FP8 value cache is stored [num_blocks, num_kv_heads, head_dim, block_size] (the value
-    layout of vLLM's original paged-attention kernel) and returned as a permuted view: a
-    block's positions are contiguous, which is the order the P.V product reads them in, so
-    the decode kernel needs no transposing copy of V in shared memory (bench/NOTES.md v6).
     """
     if dtype_name not in _CACHE_DTYPES:
         raise ValueError(f"kv-cache dtype {dtype_name!r} is not supported by these kernels; use one of {sorted(_CACHE_DTYPES)}")
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     dtype = _CACHE_DTYPES[dtype_name]
-    key_cache = torch.empty(shape, dtype=dtype, device=device)
-    if dtype == torch.float8_e4m3fn:
-        value_cache = torch.empty((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device).permute(0, 3, 1, 2)
-    else:
-        value_cache = torch.empty(shape, dtype=dtype, device=device)
-    return key_cache, value_cache
+    return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)

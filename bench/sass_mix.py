@@ -27,12 +27,13 @@ FLOATS = {"sm_scale"}
 
 
 def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_warps: int, num_stages: int,
-                   group: int, two_level: bool, maxnreg: int | None = None):
+                   group: int, two_level: bool, maxnreg: int | None = None, defer_sum: bool = False):
     fn = da._decode_attention_kernel
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
                       NUM_SUB=1, PAGE_SIZE=16, KV_FP8=fp8, FP8_QUERY=fp8_query, HAS_K_SCALE=fp8, HAS_V_SCALE=fp8,
                       K_SCALE_STRIDE=1, V_SCALE_STRIDE=1, HAS_WINDOW=False, HAS_SINKS=False, IS_SPLIT=True,
-                      TWO_LEVEL=two_level, SWAP_AB=False, INTERPRET=False)
+                      TWO_LEVEL=two_level, SWAP_AB=False, DEFER_SUM=defer_sum,
+                      INTERPRET=False)
     # the cache strides are compile-time constants: a contiguous cache of 8 KV heads, 16-token pages
     for t in "kv":
         constexprs.update({f"stride_{t}b": 16 * 8 * head_dim, f"stride_{t}t": 8 * head_dim, f"stride_{t}h": head_dim})
@@ -53,6 +54,38 @@ def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_
     src = ASTSource(fn, sig, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages,
                                                                                 **({"maxnreg": maxnreg} if maxnreg else {})))
+
+
+def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages: int, group: int,
+               prefetch: bool, maxnreg: int | None = None, slot: int | None = None):
+    """The TurboQuant decode kernel (kernels/tq_decode.py) for `fmt`, 8 KV heads, 16-token pages, split, no sinks."""
+    from kvpolicy.kernels import tq_decode as tq
+    from kvpolicy.kernels.turboquant import tq_layout
+
+    lay = tq_layout(fmt, head_dim)
+    fn = tq._tq_decode_kernel
+    constexprs = {"NUM_KV": 8, "GROUP": group, "HEAD_DIM": head_dim, "SLOT": slot or lay.slot_bytes, "PAGE": 16,
+                  "KEY_BITS": lay.key_bits, "V_BITS": lay.value_bits, "V_OFF": lay.val_off,
+                  "KNORM_OFF": max(lay.knorm_off, 0), "VSCALE_OFF": lay.vscale_off, "VZERO_OFF": lay.vzero_off,
+                  "BLOCK_M": max(16, triton.next_power_of_2(group)), "BLOCK_N": block_n, "SPLIT": True,
+                  "HAS_WINDOW": False, "HAS_SINKS": False, "ASM": True, "PREFETCH": prefetch}
+    pointers = {"q_ptr": "*bf16", "qr_ptr": "*fp16", "cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16",
+                "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cb_ptr": "*fp16", "sinks_ptr": "*fp32",
+                "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "q_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def sass(kernel) -> str:
@@ -108,9 +141,17 @@ def main() -> None:
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--one-level", action="store_true")
     ap.add_argument("--maxnreg", type=int)
+    ap.add_argument("--defer-sum", action="store_true", help="DecodeConfig.defer_sum")
+    ap.add_argument("--tq", metavar="FORMAT", help="count the TurboQuant kernel for this format instead")
+    ap.add_argument("--prefetch", action="store_true", help="TurboQuant: register prefetch of the next tile")
+    ap.add_argument("--slot", type=int, help="TurboQuant: slot stride in bytes (padding experiments)")
     ap.add_argument("--dump", help="write the full SASS here")
     a = ap.parse_args()
-    k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level, a.maxnreg)
+    if a.tq:
+        k = compile_tq(a.tq, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, a.prefetch, a.maxnreg, a.slot)
+    else:
+        k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level, a.maxnreg,
+                           a.defer_sum)
     text = sass(k)
     if a.dump:
         with open(a.dump, "w") as f:
@@ -118,7 +159,11 @@ def main() -> None:
             f.write("\n\n// TTGIR\n" + k.asm["ttgir"])
     ops = loop_mix(text)
     total = sum(ops.values())
-    kv_bytes = a.block_n * a.head_dim * 2 * (1 if a.fp8 else 2)
+    if a.tq:
+        from kvpolicy.kernels.turboquant import tq_layout
+        kv_bytes = a.block_n * tq_layout(a.tq, a.head_dim).slot_bytes
+    else:
+        kv_bytes = a.block_n * a.head_dim * 2 * (1 if a.fp8 else 2)
     print(f"shared {k.metadata.shared} B; {resources(k)}")
     bars = sum(n for op, n in ops.items() if op.startswith("BAR"))
     print(f"loop: {total} instructions per thread per tile of {kv_bytes // 1024} KB = {total / (kv_bytes / 1024):.1f}/KB, "

@@ -62,6 +62,9 @@ class DecodeConfig:
     """K/V tiles of `block_n` loaded together per loop iteration (1 or 2): more bytes in flight per program."""
     maxnreg: int | None = None
     """Register cap per thread (more resident programs per SM, at the price of spills); None: the compiler's choice."""
+    defer_sum: bool = False
+    """Standard form: keep the softmax denominator as per-position partial sums and reduce it once after
+    the loop, instead of a cross-warp sum per tile (more registers)."""
 
 
 def _interpreting() -> bool:
@@ -78,11 +81,16 @@ def default_config(head_dim: int, kv_fp8: bool, device: torch.device) -> DecodeC
     # every head_dim, the size that reached the memory floor at head_dim 128.
     block_n = max(32, min(256, 16384 // head_dim))
     if kv_fp8:
-        # FP8 is latency-bound at ~1 IPC (NOTES.md v4-v5): half the tile (4 programs
+        # FP8 is latency-bound at ~1 IPC (NOTES.md v4-v6): half the tile (4 programs
         # of 4 warps per SM at head_dim 128), three stages (two tiles in flight
-        # per program now that the page look-up runs one tile ahead) and many
-        # splits measured fastest, with or without the fp8 query.
-        return DecodeConfig(block_n=max(32, block_n // 2), num_warps=4, num_stages=3, swap_ab=False, programs_per_sm=16.0)
+        # per program now that the page look-up runs one tile ahead), many
+        # splits, and the denominator summed once after the loop measured fastest.
+        return DecodeConfig(block_n=max(32, block_n // 2), num_warps=4, num_stages=3, swap_ab=False,
+                            programs_per_sm=16.0, defer_sum=True)
+    if head_dim <= 64:
+        # gpt-oss's head_dim 64 (GQA 8): half tiles, three stages, deferred sum (NOTES.md v6).
+        return DecodeConfig(block_n=block_n // 2, num_warps=4, num_stages=3, swap_ab=False, programs_per_sm=2.0,
+                            defer_sum=True)
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=2.0)
 
 
@@ -135,7 +143,7 @@ def _e4m3_to_f16(x):
 @triton.jit
 def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
                  KV_FP8: tl.constexpr, FP8_QUERY: tl.constexpr, SWAP_AB: tl.constexpr,
-                 TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr):
+                 TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr, DEFER_SUM: tl.constexpr):
     """One online-softmax step over a K/V tile: returns the updated (running max, denominator, accumulator)."""
     # FP8 operands and how they reach the MMA (bench/NOTES.md v4). V is the
     # transposed operand of P.V: left to itself, Triton keeps the e4m3 tile in
@@ -209,7 +217,12 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
         else:
             acc = tl.dot(tl.trans(v), p_op, acc)
     else:
-        l_i = l_i * alpha + tl.sum(p_w, 1)
+        if DEFER_SUM:
+            # l_i is [BLOCK_H, BLOCK_N] here: per-position partial sums, reduced once
+            # after the loop, so no tile waits on a cross-warp sum (NOTES.md v6).
+            l_i = l_i * alpha[:, None] + p_w
+        else:
+            l_i = l_i * alpha + tl.sum(p_w, 1)
         if TWO_LEVEL:
             acc += tl.dot(p_op, v)
         else:
@@ -252,6 +265,7 @@ def _decode_attention_kernel(
     # how
     TWO_LEVEL: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    DEFER_SUM: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
@@ -297,11 +311,15 @@ def _decode_attention_kernel(
         q_op = q_op.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
     if SWAP_AB:
+        l_i = tl.zeros([BLOCK_H], tl.float32)
         q_op = tl.trans(q_op)
         acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
+    elif DEFER_SUM:
+        l_i = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     else:
+        l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
 
     bt_row = block_tables_ptr + seq * stride_bt
@@ -324,11 +342,13 @@ def _decode_attention_kernel(
             pages1 = _load_pages(bt_row, offs_n + TILE + BLOCK_N, seq_len, PAGE_SIZE)
         pages0 = _load_pages(bt_row, offs_n + TILE, seq_len, PAGE_SIZE)
         m_i, l_i, acc = _attend_tile(k0, v0, valid0, q_op, qk_scale, m_i, l_i, acc,
-                                     KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
+                                     KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET, DEFER_SUM)
         if NUM_SUB == 2:
             m_i, l_i, acc = _attend_tile(k1, v1, valid1, q_op, qk_scale, m_i, l_i, acc,
-                                         KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET)
+                                         KV_FP8, FP8_QUERY, SWAP_AB, TWO_LEVEL, INTERPRET, DEFER_SUM)
 
+    if DEFER_SUM:
+        l_i = tl.sum(l_i, 1)
     out_scale = 1.0
     if KV_FP8:
         out_scale = 1.0 / P_SCALE
@@ -546,6 +566,7 @@ def decode_attention(
         IS_SPLIT=is_split,
         TWO_LEVEL=two_level,
         SWAP_AB=cfg.swap_ab,
+        DEFER_SUM=cfg.defer_sum and not cfg.swap_ab,
         INTERPRET=_interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -157,12 +157,33 @@ def _load_tile(cache_u8_ptr, cache_f16_ptr, pages, n0, kvh, start, hi,
 
 
 @triton.jit
+def _tq_rotate_query_kernel(q_ptr, rot_ptr, out_ptr, q_scale, rot_scale, stride_qb, stride_qh,
+                            NUM_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """out[b, h] = (q[b, h] * q_scale) @ Pi^T sqrt(D) * rot_scale in fp16, for the GQA group of one (sequence, KV head).
+
+    Run once per decode step, so the split programs of the attention kernel read a rotated query
+    instead of each rotating it again (2-4 [D, D/2] tiles from L2 and as many products per program)."""
+    pid = tl.program_id(0)
+    b = pid // NUM_KV
+    kvh = pid % NUM_KV
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < GROUP
+    qh = kvh * GROUP + offs_m
+    cols = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + cols[None, :], mask=m_mask[:, None], other=0.0)
+    q16 = (q.to(tl.float32) * q_scale).to(tl.float16)
+    rot = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + cols[None, :])
+    qr = (tl.dot(q16, rot) * rot_scale).to(tl.float16)
+    tl.store(out_ptr + (b * NUM_KV * GROUP + qh)[:, None] * HEAD_DIM + cols[None, :], qr, mask=m_mask[:, None])
+
+
+@triton.jit
 def _tq_decode_kernel(
     # tensors
-    q_ptr, cache_u8_ptr, cache_f16_ptr, block_tables_ptr, seq_lens_ptr,
-    rot_ptr, cb_ptr, sinks_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, qr_ptr, cache_u8_ptr, cache_f16_ptr, block_tables_ptr, seq_lens_ptr,
+    cb_ptr, sinks_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     # scalars
-    q_scale, rot_scale, window, num_splits,
+    q_scale, window, num_splits,
     # strides (elements)
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     # geometry and layout (the cache is contiguous: its strides are constants)
@@ -211,19 +232,16 @@ def _tq_decode_kernel(
         q2 = q16
         q3 = q16
     else:
-        # rotate once: Pi q = (q @ S) / sqrt(D) with S = +-1; rot_scale = 1/D also undoes the
-        # unit-variance codebook's sqrt(D)
-        r0 = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + (0 * KC + cols_k)[None, :])
-        r1 = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + (1 * KC + cols_k)[None, :])
-        q0 = (tl.dot(q16, r0) * rot_scale).to(tl.float16)
-        q1 = (tl.dot(q16, r1) * rot_scale).to(tl.float16)
+        # rotated once per decode step by _tq_rotate_query_kernel: Pi q = (q @ S) / sqrt(D) with
+        # S = +-1, scaled by sm_scale*log2(e) and 1/D (which also undoes the unit-variance codebook's sqrt(D))
+        qr = qr_ptr + (b * NUM_KV * GROUP + qh)[:, None] * HEAD_DIM
+        q0 = tl.load(qr + (0 * KC + cols_k)[None, :], mask=m_mask[:, None], other=0.0)
+        q1 = tl.load(qr + (1 * KC + cols_k)[None, :], mask=m_mask[:, None], other=0.0)
         q2 = q0
         q3 = q1
         if KEY_BITS == 3:
-            r2 = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + (2 * KC + cols_k)[None, :])
-            r3 = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + (3 * KC + cols_k)[None, :])
-            q2 = (tl.dot(q16, r2) * rot_scale).to(tl.float16)
-            q3 = (tl.dot(q16, r3) * rot_scale).to(tl.float16)
+            q2 = tl.load(qr + (2 * KC + cols_k)[None, :], mask=m_mask[:, None], other=0.0)
+            q3 = tl.load(qr + (3 * KC + cols_k)[None, :], mask=m_mask[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0, dtype=tl.float32)
@@ -445,16 +463,24 @@ def decode_attention_tq(
     else:
         part_o = part_lse = out  # unused
     sinks_arg = sinks if sinks is not None else out
+    block_m = max(16, triton.next_power_of_2(group))
+    if lay.key_bits == 8:
+        q_rot = query  # FP8 keys are not rotated
+    else:
+        q_rot = torch.empty((bsz, hq, d), dtype=torch.float16, device=query.device)
+        _tq_rotate_query_kernel[(bsz * hkv,)](
+            query, tabs["rot_t_sign_f16"], q_rot, scale * LOG2E, 1.0 / d, query.stride(0), query.stride(1),
+            NUM_KV=hkv, GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, num_warps=4)
     _tq_decode_kernel[(bsz * hkv, num_splits)](
-        query, cache, cache.view(torch.float16), block_tables, seq_lens,
-        tabs["rot_t_sign_f16"], tabs["codebook_sm_unit_f16"], sinks_arg, out, part_o, part_lse,
-        scale * LOG2E, 1.0 / d, sliding_window or 0, num_splits,
+        query, q_rot, cache, cache.view(torch.float16), block_tables, seq_lens,
+        tabs["codebook_sm_unit_f16"], sinks_arg, out, part_o, part_lse,
+        scale * LOG2E, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_KV=hkv, GROUP=group, HEAD_DIM=d, SLOT=lay.slot_bytes, PAGE=page,
         KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0),
         VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SPLIT=num_splits > 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, ASM=use_asm, PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -108,7 +108,10 @@ SEQ_LENS = [1, 37, 300]  # one token; partly filled last block; several tiles
 SINKS = object()  # marker: draw sinks for the case
 
 
-CONFIGS = {"default": None, "swapped": SWAPPED, "paired": PAIRED}
+# The softmax denominator kept per position and summed after the loop.
+DEFERRED = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=1.0, min_tokens_per_split=64,
+                        defer_sum=True)
+CONFIGS = {"default": None, "swapped": SWAPPED, "paired": PAIRED, "deferred": DEFERRED}
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -123,11 +126,11 @@ def test_bf16_matches_reference(device: str, head_dim: int, config: str, window,
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_fp8_matches_reference(device: str, head_dim: int, per_head: bool, swap_ab: bool) -> None:
+@pytest.mark.parametrize("config", ["default", "swapped", "deferred"])
+def test_fp8_matches_reference(device: str, head_dim: int, per_head: bool, config: str) -> None:
     case = make_case(device, SEQ_LENS, 16, 2, head_dim, "fp8", per_head=per_head, value_offset=1.0)
     sinks = torch.randn(16, device=device)
-    config = SWAPPED if swap_ab else None
+    config = CONFIGS[config]
     run_and_check(case, TOL_FP8, sinks=sinks, num_splits=2, config=config)
     run_and_check(case, TOL_FP8, sliding_window=40, num_splits=1, config=config)
 

@@ -51,6 +51,19 @@ class Snapshot:
         return self.loaded.label
 
 
+def _read_nonempty(path: Path) -> str:
+    """`read_text` that refuses an empty file.
+
+    An empty file is a valid, rule-less policy, but far more often an editor's write in
+    progress (truncate, then write). The check runs on the text that is then loaded: checking
+    first and loading after would read the file twice, and a write between the reads would
+    serve the empty policy."""
+    text = read_text(path)
+    if not text.strip():
+        raise PolicyError(f"{path}: the policy file is empty; refusing to serve an empty policy.")
+    return text
+
+
 def validate(spec: str) -> LoadedPolicy:
     """Load a policy and prove it can decide: schema, references, and a smoke evaluation.
 
@@ -62,10 +75,7 @@ def validate(spec: str) -> LoadedPolicy:
     from kvpolicy.policy.engine import check_references
     from kvpolicy.recommend import make_workload, recommend
 
-    if not spec.startswith(BUILTIN) and not read_text(Path(spec)).strip():
-        # An empty file is a valid, rule-less policy, but far more often an editor's write in progress.
-        raise PolicyError(f"{spec}: the policy file is empty; refusing to serve an empty policy.")
-    loaded = load_policy(spec)
+    loaded = load_policy(spec, read=_read_nonempty)
     check_references(loaded.policy)
     workload = make_workload(loaded)
     archs = {m.attention: m for m in reversed(load_models().values())}.values()

@@ -110,12 +110,14 @@ def _paged_row(name: str, dtype_name: str, per_head_scales: bool, **decode_kwarg
 
 
 TQ_CANDIDATES = {
-    "turboquant_k8v4": [(64, 4, True), (128, 4, True)],
-    "turboquant_4bit_nc": [(64, 4, False), (128, 4, False)],
-    "turboquant_k3v4_nc": [(64, 4, False), (128, 4, False)],
-    "turboquant_3bit_nc": [(64, 4, False), (128, 4, False)],
+    "turboquant_k8v4": [(64, 4, True, None), (128, 4, True, None), (64, 4, True, 128), (64, 4, False, None)],
+    "turboquant_4bit_nc": [(64, 4, False, None), (128, 4, False, None), (64, 4, False, 128), (32, 4, False, None),
+                           (64, 2, False, None)],
+    "turboquant_k3v4_nc": [(64, 4, False, None), (128, 4, False, None), (64, 4, False, 128), (32, 4, False, None)],
+    "turboquant_3bit_nc": [(64, 4, False, None), (128, 4, False, None), (32, 4, False, None), (64, 2, False, None)],
 }
-"""(block_n, num_warps, prefetch) tried per TurboQuant row, each with the default split count and twice it."""
+"""(block_n, num_warps, prefetch, maxnreg) tried per TurboQuant row, each with the default split count and twice it.
+The register caps and 32-token tiles trade spills or instructions for resident warps (NOTES_TQ.md, third session)."""
 TQ_TUNED: dict[tuple, dict[str, Any]] = {}
 """Config picked per (format, query shape, table width) on its first eager call."""
 
@@ -130,9 +132,9 @@ def _tq_pick(fmt: str, cache: torch.Tensor, query, block_tables, seq_lens, sinks
     base = max(1, min(math.ceil(8 * num_sms / (query.shape[0] * cache.shape[2])), 64))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     trials = []
-    for block_n, num_warps, prefetch in TQ_CANDIDATES[fmt]:
+    for block_n, num_warps, prefetch, maxnreg in TQ_CANDIDATES[fmt]:
         for splits in sorted({base, min(64, 2 * base)}):
-            opts = dict(block_n=block_n, num_warps=num_warps, prefetch=prefetch, num_splits=splits)
+            opts = dict(block_n=block_n, num_warps=num_warps, prefetch=prefetch, num_splits=splits, maxnreg=maxnreg)
             try:
                 call = lambda: decode_attention_tq(query, cache, block_tables, seq_lens, fmt, sinks=sinks, **opts)  # noqa: E731
                 call()
@@ -150,7 +152,8 @@ def _tq_pick(fmt: str, cache: torch.Tensor, query, block_tables, seq_lens, sinks
     us, best = min(trials, key=lambda t: t[0])
     TQ_TUNED[key] = best
     print(f"  {fmt} {tuple(query.shape)} pages={block_tables.shape[1]}: picked {best} ({us:.1f} us) of "
-          + ", ".join(f"{o['block_n']}/{o['prefetch']}/{o['num_splits']}={t:.0f}" for t, o in trials), flush=True)
+          + ", ".join(f"{o['block_n']}/{o['num_warps']}w/{o['prefetch']}/{o['maxnreg']}/{o['num_splits']}={t:.0f}"
+                      for t, o in trials), flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "tq_tuned.json"), "w") as fh:
             json.dump([dict(key=list(k), **v) for k, v in TQ_TUNED.items()], fh, indent=1)

@@ -380,14 +380,19 @@ def _tq_merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, (num / den).to(out_ptr.dtype.element_ty))
 
 
-DEFAULT_TILING: dict[int, tuple[int, int, bool]] = {
-    8: (128, 4, True),  # k8v4: (block_n, num_warps, prefetch)
-    4: (128, 4, False),
-    3: (128, 4, False),
-}
-"""Per key-bit width: the tiling that won (or tied within 2%) most of the (format, context) cases of
-the in-run tuning on an H200 (bench_decode, batch 8, 4k-128k; NOTES_TQ.md). The register prefetch of
-the next tile pays for FP8 keys but costs the centroid formats more in occupancy than it wins."""
+def default_tiling(key_bits: int, head_dim: int) -> tuple[int, int, bool, int | None]:
+    """(block_n, num_warps, prefetch, maxnreg) for a key width and head_dim: what won the in-run tuning
+    on an H200 (bench_decode, batch 8, 32k and 128k; NOTES_TQ.md, third session).
+
+    FP8 keys keep 128-token tiles with the register prefetch of the next tile. 4-bit keys at
+    head_dim 128 run 64-token tiles capped at 128 registers (4 programs per SM instead of 3;
+    -4% at 128k); at head_dim 64, 128-token tiles. 3-bit keys run 64-token tiles on 2 warps
+    (more, smaller programs: -2% on the Llama layer, -14% on gpt-oss's at 128k)."""
+    if key_bits == 8:
+        return 128, 4, True, None
+    if key_bits == 4:
+        return (64, 4, False, 128) if head_dim >= 128 else (128, 4, False, None)
+    return 64, 2, False, None
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
@@ -408,7 +413,7 @@ def decode_attention_tq(
     *, sm_scale: float | None = None, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int = 2, use_asm: bool | None = None, prefetch: bool | None = None,
-    out: torch.Tensor | None = None,
+    maxnreg: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of `query` [B, Hq, D] over a packed TurboQuant cache; returns [B, Hq, D] in query's dtype.
 
@@ -417,7 +422,8 @@ def decode_attention_tq(
     head h // (Hq // num_kv_heads). `sliding_window` W attends positions >= seq_len - W;
     `sinks` fp32 [Hq] join the softmax denominator only. `use_asm` picks the PTX
     register-LUT unpackers (default on a GPU; the interpreter runs the
-    equivalent pure-Triton path). `out` (optional) receives the result.
+    equivalent pure-Triton path). `maxnreg` caps the registers per thread (more
+    resident programs, possibly spills). `out` (optional) receives the result.
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [batch, q_heads, head_dim]; got {tuple(query.shape)}")
@@ -439,10 +445,13 @@ def decode_attention_tq(
         raise ValueError(f"sinks must be [{hq}]; got {tuple(sinks.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    tiling = DEFAULT_TILING[lay.key_bits]
-    block_n = tiling[0] if block_n is None else block_n
-    num_warps = tiling[1] if num_warps is None else num_warps
-    prefetch = tiling[2] if prefetch is None else prefetch
+    if block_n is None and num_warps is None and prefetch is None and maxnreg is None:
+        block_n, num_warps, prefetch, maxnreg = default_tiling(lay.key_bits, d)
+    else:
+        tiling = default_tiling(lay.key_bits, d)
+        block_n = tiling[0] if block_n is None else block_n
+        num_warps = tiling[1] if num_warps is None else num_warps
+        prefetch = tiling[2] if prefetch is None else prefetch
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group = hq // hkv
@@ -482,7 +491,7 @@ def decode_attention_tq(
         VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, ASM=use_asm, PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:
         _tq_merge_kernel[(bsz * hq,)](

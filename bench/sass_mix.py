@@ -38,22 +38,24 @@ def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_
     for t in "kv":
         constexprs.update({f"stride_{t}b": 16 * 8 * head_dim, f"stride_{t}t": 8 * head_dim, f"stride_{t}h": head_dim})
     pointers = POINTERS if fp8 else {**POINTERS, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
+    aligned = {n for n in fn.arg_names if n.startswith("stride_") and n != "stride_ps"}
+    return _compile(fn, constexprs, pointers, FLOATS, aligned, num_warps, num_stages, maxnreg)
+
+
+def _compile(fn, constexprs: dict, pointers: dict, floats: set, aligned: set, num_warps: int, num_stages: int,
+             maxnreg: int | None):
+    """triton.compile for sm_90: pointers and the `aligned` ints marked 16-divisible, other ints i32."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in FLOATS:
-            sig[name] = "fp32"
         else:
-            sig[name] = "i32"
-            if name.startswith("stride_") and name not in ("stride_ps",):
+            sig[name] = pointers.get(name) or ("fp32" if name in floats else "i32")
+            if name in pointers or name in aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages,
-                                                                                **({"maxnreg": maxnreg} if maxnreg else {})))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages: int, group: int,
@@ -72,20 +74,7 @@ def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages
     pointers = {"q_ptr": "*bf16", "qr_ptr": "*fp16", "cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cb_ptr": "*fp16", "sinks_ptr": "*fp32",
                 "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "q_scale":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    src = ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {})))
+    return _compile(fn, constexprs, pointers, {"q_scale"}, set(), num_warps, num_stages, maxnreg)
 
 
 def sass(kernel) -> str:

@@ -439,13 +439,18 @@ def test_broken_edits_under_load_lose_no_request_and_change_no_answer(reloading)
     for t in threads:
         t.start()
     edits = 0
-    while any(t.is_alive() for t in threads):
+    # Each broken version holds still for three poll intervals (0.05 s), so the watcher can
+    # read it even when the requests delay its event loop; once the clients are done, the
+    # edits go on until the watcher has rejected one (on a busy machine the clients can
+    # finish before any edit was read).
+    deadline = time.monotonic() + 30
+    while any(t.is_alive() for t in threads) or (_reloads(srv, "rejected") == 0 and time.monotonic() < deadline):
         for text in BROKEN.values():
             policy.write_text(text)
-            time.sleep(0.06)
+            time.sleep(0.15)
             edits += 1
         policy.write_text(POLICY)
-        time.sleep(0.06)
+        time.sleep(0.15)
     for t in threads:
         t.join()
     assert len(answers) == num_clients * per_client

@@ -157,6 +157,20 @@ def _load_tile(cache_u8_ptr, cache_f16_ptr, pages, n0, kvh, start, hi,
 
 
 @triton.jit
+def _scaled_query(q_ptr, b, kvh, q_scale, stride_qb, stride_qh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The query rows of one (sequence, KV head) GQA group times sm_scale*log2(e), in fp16 (padding rows 0).
+
+    Scaling before the fp16 cast keeps q well inside fp16's range and precision."""
+    offs_m = tl.arange(0, BLOCK_M)
+    qh = kvh * GROUP + offs_m
+    cols = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + cols[None, :], mask=(offs_m < GROUP)[:, None],
+                other=0.0)
+    return (q.to(tl.float32) * q_scale).to(tl.float16)
+
+
+@triton.jit
 def _tq_rotate_query_kernel(q_ptr, rot_ptr, out_ptr, q_scale, rot_scale, stride_qb, stride_qh,
                             NUM_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """out[b, h] = (q[b, h] * q_scale) @ Pi^T sqrt(D) * rot_scale in fp16, for the GQA group of one (sequence, KV head).
@@ -170,8 +184,7 @@ def _tq_rotate_query_kernel(q_ptr, rot_ptr, out_ptr, q_scale, rot_scale, stride_
     m_mask = offs_m < GROUP
     qh = kvh * GROUP + offs_m
     cols = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + cols[None, :], mask=m_mask[:, None], other=0.0)
-    q16 = (q.to(tl.float32) * q_scale).to(tl.float16)
+    q16 = _scaled_query(q_ptr, b, kvh, q_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, BLOCK_M)
     rot = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + cols[None, :])
     qr = (tl.dot(q16, rot) * rot_scale).to(tl.float16)
     tl.store(out_ptr + (b * NUM_KV * GROUP + qh)[:, None] * HEAD_DIM + cols[None, :], qr, mask=m_mask[:, None])
@@ -215,10 +228,6 @@ def _tq_decode_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < GROUP
     qh = kvh * GROUP + offs_m
-    cols = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + cols[None, :], mask=m_mask[:, None], other=0.0)
-    # sm_scale*log2(e) before the fp16 cast keeps q well inside fp16 range and precision
-    q16 = (q.to(tl.float32) * q_scale).to(tl.float16)
 
     # key chunking: 4-bit codes give two halves of the vector, 3-bit codes four quarters
     KC: tl.constexpr = HEAD_DIM if KEY_BITS == 8 else (HEAD_DIM // 2 if KEY_BITS == 4 else HEAD_DIM // 4)
@@ -227,10 +236,11 @@ def _tq_decode_kernel(
     cols_k = tl.arange(0, KC)
     cols_v = tl.arange(0, VC)
     if KEY_BITS == 8:
-        q0 = q16
-        q1 = q16
-        q2 = q16
-        q3 = q16
+        # FP8 keys are not rotated: the scaled query itself
+        q0 = _scaled_query(q_ptr, b, kvh, q_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, BLOCK_M)
+        q1 = q0
+        q2 = q0
+        q3 = q0
     else:
         # rotated once per decode step by _tq_rotate_query_kernel: Pi q = (q @ S) / sqrt(D) with
         # S = +-1, scaled by sm_scale*log2(e) and 1/D (which also undoes the unit-variance codebook's sqrt(D))
@@ -445,13 +455,12 @@ def decode_attention_tq(
         raise ValueError(f"sinks must be [{hq}]; got {tuple(sinks.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    if block_n is None and num_warps is None and prefetch is None and maxnreg is None:
-        block_n, num_warps, prefetch, maxnreg = default_tiling(lay.key_bits, d)
-    else:
-        tiling = default_tiling(lay.key_bits, d)
-        block_n = tiling[0] if block_n is None else block_n
-        num_warps = tiling[1] if num_warps is None else num_warps
-        prefetch = tiling[2] if prefetch is None else prefetch
+    tiling = default_tiling(lay.key_bits, d)
+    if (block_n, num_warps, prefetch, maxnreg) == (None, None, None, None):
+        maxnreg = tiling[3]  # the register cap was tuned for the default tile only
+    block_n = tiling[0] if block_n is None else block_n
+    num_warps = tiling[1] if num_warps is None else num_warps
+    prefetch = tiling[2] if prefetch is None else prefetch
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group = hq // hkv

@@ -27,13 +27,14 @@ FLOATS = {"sm_scale"}
 
 
 def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_warps: int, num_stages: int,
-                   group: int, two_level: bool, maxnreg: int | None = None, defer_sum: bool = False):
+                   group: int, two_level: bool, maxnreg: int | None = None, defer_sum: bool = False,
+                   swap_ab: bool = False):
     fn = da._decode_attention_kernel
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
                       NUM_SUB=1, PAGE_SIZE=16, KV_FP8=fp8, FP8_QUERY=fp8_query, HAS_K_SCALE=fp8, HAS_V_SCALE=fp8,
                       K_SCALE_STRIDE=1, V_SCALE_STRIDE=1, HAS_WINDOW=False, HAS_SINKS=False, IS_SPLIT=True,
-                      TWO_LEVEL=two_level, SWAP_AB=False, DEFER_SUM=defer_sum,
-                      INTERPRET=False)
+                      TWO_LEVEL=two_level, SWAP_AB=swap_ab, DEFER_SUM=defer_sum,
+                      INTERPRET=False, PDL=False)
     # the cache strides are compile-time constants: a contiguous cache of 8 KV heads, 16-token pages
     for t in "kv":
         constexprs.update({f"stride_{t}b": 16 * 8 * head_dim, f"stride_{t}t": 8 * head_dim, f"stride_{t}h": head_dim})
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--one-level", action="store_true")
     ap.add_argument("--maxnreg", type=int)
+    ap.add_argument("--swap", action="store_true", help="DecodeConfig.swap_ab (wgmma form)")
     ap.add_argument("--defer-sum", action="store_true", help="DecodeConfig.defer_sum")
     ap.add_argument("--tq", metavar="FORMAT", help="count the TurboQuant kernel for this format instead")
     ap.add_argument("--prefetch", action="store_true", help="TurboQuant: register prefetch of the next tile")
@@ -140,7 +142,7 @@ def main() -> None:
         k = compile_tq(a.tq, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, a.prefetch, a.maxnreg, a.slot)
     else:
         k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level, a.maxnreg,
-                           a.defer_sum)
+                           a.defer_sum, a.swap)
     text = sass(k)
     if a.dump:
         with open(a.dump, "w") as f:

@@ -225,15 +225,31 @@ def compute_kv_scales(key: torch.Tensor, value: torch.Tensor, per_head: bool) ->
     return scale(key), scale(value)
 
 
+CACHE_LAYOUTS = ("NHD", "HND")
+"""Physical orders of a paged cache, as vLLM names them (`VLLM_KV_CACHE_LAYOUT`): NHD stores a page as
+[block_size, num_kv_heads, head_dim] (FlashAttention's), HND as [num_kv_heads, block_size, head_dim] (FlashInfer's)."""
+
+
 def allocate_cache(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_name: str, device: torch.device | str
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_name: str, device: torch.device | str,
+    layout: str = "NHD",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate uninitialised (key_cache, value_cache) [num_blocks, block_size, num_kv_heads, head_dim].
 
     `dtype_name` is a vLLM `--kv-cache-dtype`: "auto" or "bfloat16" (bf16), "fp8" or "fp8_e4m3" (e4m3fn).
+    `layout` "HND" keeps the logical shape and stores each page head-major (a permuted view, as vLLM's
+    stride order does): one KV head's page is then block_size x head_dim contiguous bytes instead of
+    block_size rows of head_dim bytes, which the decode kernels read faster at small head_dim
+    (bench/NOTES.md v7). Every kernel here takes either.
     """
     if dtype_name not in _CACHE_DTYPES:
         raise ValueError(f"kv-cache dtype {dtype_name!r} is not supported by these kernels; use one of {sorted(_CACHE_DTYPES)}")
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if layout not in CACHE_LAYOUTS:
+        raise ValueError(f"cache layout {layout!r} is not one of {CACHE_LAYOUTS}")
     dtype = _CACHE_DTYPES[dtype_name]
+    if layout == "HND":
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        k, v = (torch.empty(shape, dtype=dtype, device=device).permute(0, 2, 1, 3) for _ in range(2))
+        return k, v
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)

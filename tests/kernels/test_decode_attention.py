@@ -50,12 +50,13 @@ def make_case(
     block_size: int = 16,
     per_head: bool | None = None,
     value_offset: float = 0.0,
+    layout: str = "NHD",
 ) -> dict:
     """A paged cache holding random K/V for each sequence, with scattered blocks and spare NaN blocks."""
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     max_blocks = max(blocks_per_seq) + 2
     num_blocks = sum(blocks_per_seq) + 3
-    kc, vc = allocate_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype_name, device)
+    kc, vc = allocate_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype_name, device, layout)
     for c in (kc, vc):
         if c.dtype == torch.float8_e4m3fn:
             c.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
@@ -200,6 +201,25 @@ def test_rejects_bad_inputs(device: str) -> None:
         decode_attention(**case, sliding_window=0)
 
 
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window, sinks, num_splits", [(None, SINKS, 3), (48, None, 1)])
+def test_hnd_layout_reads_the_same_cache(device: str, dtype_name: str, head_dim: int, window, sinks, num_splits) -> None:
+    """A head-major (HND) cache gives the reference's answer, and exactly the NHD cache's answer for the same bytes."""
+    torch.manual_seed(7)
+    fp8 = dtype_name == "fp8"
+    case = make_case(device, SEQ_LENS, 8, 2, head_dim, dtype_name, layout="HND", per_head=True if fp8 else None,
+                     value_offset=1.0 if fp8 else 0.0)
+    assert case["key_cache"].stride(1) == head_dim and case["key_cache"].stride(2) == 16 * head_dim
+    kwargs = dict(sliding_window=window, num_splits=num_splits)
+    if sinks is SINKS:
+        kwargs["sinks"] = torch.randn(8, device=device)
+    run_and_check(case, TOL_FP8 if fp8 else TOL_BF16, **kwargs)
+    nhd = dict(case, key_cache=case["key_cache"].contiguous(), value_cache=case["value_cache"].contiguous())
+    assert nhd["key_cache"].stride(2) == head_dim
+    assert torch.equal(decode_attention(**case, **kwargs), decode_attention(**nhd, **kwargs))
+
+
 # ---------------------------------------------------------------- GPU only
 
 
@@ -237,3 +257,46 @@ def test_gpu_two_level_bounds_long_context_error(device: str, config: str) -> No
     print(f"two-level errors ({config}):", {k: f"{v:.2e}" for k, v in errs.items()})
     assert errs[131072, True] <= 2 * errs[4096, True]
     assert errs[131072, True] < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+def test_gpu_chained_calls_see_each_others_writes(device: str, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call's query is the previous call's output (written by its merge kernel), eagerly and in a CUDA graph.
+
+    With programmatic dependent launch (KVPOLICY_PDL=1) a kernel may be scheduled before its
+    predecessor finishes; a missing wait would read a NaN-filled output buffer. The result
+    must be bit-identical to launching without PDL.
+    """
+    case = make_case(device, [3000, 9001], 32, 8, 128, fmt, per_head=True if fmt == "fp8" else None,
+                     value_offset=1.0 if fmt == "fp8" else 0.0)
+    case["query"] = case["query"] * 0.05
+
+    def chain(outs: list[torch.Tensor]) -> torch.Tensor:
+        q = case["query"]
+        for out in outs:
+            q = decode_attention(**dict(case, query=q), out=out)
+        return q
+
+    def fresh() -> list[torch.Tensor]:
+        return [torch.full_like(case["query"], float("nan")) for _ in range(8)]
+
+    results = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("KVPOLICY_PDL", mode)
+        eager = chain(fresh())
+        outs = fresh()
+        chain(outs)  # compile and warm up outside the capture
+        for o in outs:
+            o.fill_(float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            last = chain(outs)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not eager.isnan().any() and not last.isnan().any()
+        results[mode] = (eager, last.clone())
+    assert torch.equal(results["1"][0], results["0"][0])
+    assert torch.equal(results["1"][1], results["0"][0])

@@ -124,6 +124,28 @@ def test_allocate_cache(device: str) -> None:
         assert k.data_ptr() != v.data_ptr()
     with pytest.raises(ValueError, match="fp8_e5m2"):
         allocate_cache(3, 16, 2, 64, "fp8_e5m2", device)
+    with pytest.raises(ValueError, match="layout 'NDH'"):
+        allocate_cache(3, 16, 2, 64, "fp8", device, layout="NDH")
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "fp8"])
+def test_store_into_hnd_layout(device: str, dtype_name: str) -> None:
+    """A head-major cache has the logical shape of an NHD one; the store writes the same values, head-major in memory."""
+    k, v = allocate_cache(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, 64, dtype_name, device, layout="HND")
+    assert k.shape == (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, 64)
+    assert k.stride()[1:] == (64, BLOCK_SIZE * 64, 1)
+    for c in (k, v):
+        _bits(c).fill_(0x7F)
+    rk, rv = k.contiguous(), v.contiguous()
+    key, value = torch.randn(20, NUM_KV_HEADS, 64, device=device), torch.randn(20, NUM_KV_HEADS, 64, device=device)
+    scales = compute_kv_scales(key, value, per_head=True) if dtype_name == "fp8" else (None, None)
+    slots = _slots(20, device)
+    store_kv(key, value, k, v, slots, *scales)
+    ref_store_kv(key, value, rk, rv, slots, *scales)
+    assert torch.equal(_bits(k.contiguous()), _bits(rk)) and torch.equal(_bits(v.contiguous()), _bits(rv))
+    # head 1 of page 0 is one contiguous run of BLOCK_SIZE x 64 elements in the storage
+    flat = _bits(k).permute(0, 2, 1, 3).contiguous().view(-1)
+    assert torch.equal(flat[BLOCK_SIZE * 64 : 2 * BLOCK_SIZE * 64], _bits(rk)[0, :, 1].reshape(-1))
 
 
 def test_store_rejects_bad_inputs(device: str) -> None:

@@ -1,0 +1,194 @@
+"""How fast can a paged cache be read at all, per cache layout, and how close does decode get?
+
+Why: the FP8 decode kernel stalls at 3.4 TB/s (Llama) and 2.7 TB/s (gpt-oss) while
+cuDNN streams contiguous BF16 at ~4.4 (NOTES.md v6). vLLM's default layout, NHD
+([blocks, block_size, kv_heads, head_dim]), gives one KV head only head_dim bytes
+of each position row (128 B at head_dim 128, 64 B at 64) at a stride of
+kv_heads x head_dim; HND ([blocks, kv_heads, block_size, head_dim], vLLM's
+FlashInfer layout) gives it block_size x head_dim contiguous bytes per page.
+This probe times, in one run and with the same random block tables:
+- `_paged_read_kernel`: the decode kernel's tiling and page addressing with no
+  math (an XOR of the words read), i.e. the read roofline of each layout;
+- `decode_attention` (default config, and with --sweep the tiles and split targets
+  of `sweep_configs`) on each layout; for BF16 also cuDNN SDPA on contiguous K/V.
+Usage: python bench/probe_layout.py [--dtype fp8|bfloat16] [--contexts 32768,131072] [--batch 8,1]
+                                    [--geometries gpt-oss-20b] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import GEOMETRIES, ROTATE_BYTES, time_calls
+from kvpolicy.kernels.decode_attention import (
+    DecodeConfig,
+    choose_num_splits,
+    decode_attention,
+    default_config,
+)
+from kvpolicy.kernels.paged_store import store_kv
+
+
+@triton.jit
+def _paged_read_kernel(k_ptr, v_ptr, bt_ptr, out_ptr, seq_len, stride_bt, tiles_per_split,
+                       stride_kb: tl.constexpr, stride_kt: tl.constexpr, stride_kh: tl.constexpr,
+                       WORDS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+    offs_w = tl.arange(0, WORDS)
+    acc = tl.zeros([BLOCK_N, WORDS], tl.int32)
+    lo = split * tiles_per_split
+    hi = tl.minimum(lo + tiles_per_split, tl.cdiv(seq_len, BLOCK_N))
+    for tile in range(lo, hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        page = tl.load(bt_ptr + seq * stride_bt + offs_n.to(tl.uint32) // PAGE, mask=offs_n < seq_len, other=0).to(tl.int64)
+        row = page * stride_kb + (offs_n.to(tl.uint32) % PAGE) * stride_kt + kv_head * stride_kh
+        acc ^= tl.load(k_ptr + row[:, None] + offs_w[None, :])
+        acc ^= tl.load(v_ptr + row[:, None] + offs_w[None, :])
+    tl.store(out_ptr + (seq * tl.num_programs(1) + split) * tl.num_programs(0) + kv_head, tl.xor_sum(tl.xor_sum(acc, 1), 0))
+
+
+def paged_read(kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, context: int, splits: int, block_n: int):
+    """A closure that reads every K/V byte of `context` positions per sequence once, as int32 words."""
+    batch = tables.shape[0]
+    kw, vw = kc.view(torch.int32), vc.view(torch.int32)  # [blocks, page, heads, head_dim / 4]
+    heads, words = kw.shape[2], kw.shape[3]
+    tiles = -(-context // block_n)
+    out = torch.empty(batch * splits * heads, dtype=torch.int32, device=kc.device)
+
+    def call():
+        _paged_read_kernel[(heads, splits, batch)](kw, vw, tables, out, context, tables.stride(0), -(-tiles // splits),
+                                                  kw.stride(0), kw.stride(1), kw.stride(2),
+                                                  WORDS=words, BLOCK_N=block_n, PAGE=kw.shape[1], num_warps=4, num_stages=3)
+        return out
+    return call
+
+
+def caches(geom, batch: int, context: int, page: int, dtype: torch.dtype, device) -> dict:
+    """One random K/V set of `dtype` in NHD and the same bytes in HND (a permuted view), one block table;
+    for BF16 also the contiguous [batch, kv_heads, context, head_dim] K/V that SDPA reads."""
+    blocks_per_seq = -(-context // page)
+    num_blocks = batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    shape = (num_blocks, page, geom.num_kv_heads, geom.head_dim)
+    nhd = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
+    pos = torch.arange(context, device=device)
+    slots = (tables.long()[:, pos // page] * page + pos % page).reshape(-1)
+    key = torch.randn(batch * context, geom.num_kv_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    store_kv(key, value, nhd[0], nhd[1], slots, None, None)
+    sdpa = None
+    if dtype == torch.bfloat16:
+        sdpa = [x.view(batch, context, geom.num_kv_heads, geom.head_dim).transpose(1, 2).contiguous() for x in (key, value)]
+    del key, value
+    hnd = []
+    for c in nhd:
+        h = torch.empty(num_blocks, geom.num_kv_heads, page, geom.head_dim, dtype=c.dtype, device=device).permute(0, 2, 1, 3)
+        h.copy_(c)
+        hnd.append(h)
+    query = torch.randn(batch, geom.num_q_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    sinks = torch.randn(geom.num_q_heads, device=device) if geom.sinks else None
+    return dict(nhd=nhd, hnd=hnd, tables=tables, query=query, seq_lens=seq_lens, sinks=sinks, sdpa=sdpa)
+
+
+def sweep_configs(head_dim: int, fp8: bool, device) -> list[DecodeConfig]:
+    """Tiles around the default: fewer/more tokens, warps and stages, register caps, and split targets."""
+    base = default_config(head_dim, fp8, device)
+    if not fp8:
+        n = base.block_n
+        return [replace(base, programs_per_sm=p) for p in (1.0, 4.0, 8.0, 16.0) if p != base.programs_per_sm] + [
+            replace(base, block_n=n // 2), replace(base, block_n=n // 2, programs_per_sm=8.0),
+            replace(base, num_stages=base.num_stages + 1), replace(base, block_n=n * 2, num_stages=2, defer_sum=False)]
+    h = base.block_n
+    return [replace(base, block_n=h // 2), replace(base, block_n=h // 2, maxnreg=80), replace(base, block_n=h // 2, num_stages=4),
+            replace(base, maxnreg=96), replace(base, num_stages=2, maxnreg=96), replace(base, num_warps=8),
+            replace(base, block_n=h * 2, num_warps=8), replace(base, num_warps=2, block_n=h // 2, num_stages=4),
+            replace(base, programs_per_sm=32.0), replace(base, programs_per_sm=8.0)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--batch", default="8,1")
+    ap.add_argument("--pages", default="16")
+    ap.add_argument("--dtype", default="fp8", choices=["fp8", "bfloat16"], help="cache format")
+    ap.add_argument("--geometries", default=",".join(GEOMETRIES))
+    ap.add_argument("--sweep", action="store_true", help="also time sweep_configs() on each layout")
+    a = ap.parse_args()
+    device = torch.device("cuda")
+    results = []
+    print(f"{'geometry':13} {'b':>2} {'ctx':>7} {'page':>4} {'layout':4} {'what':44} {'us':>8} {'TB/s':>6}")
+    fp8 = a.dtype == "fp8"
+    for gname in a.geometries.split(","):
+        geom = GEOMETRIES[gname]
+        for batch in map(int, a.batch.split(",")):
+            for context in map(int, a.contexts.split(",")):
+                for page in map(int, a.pages.split(",")):
+                    case = caches(geom, batch, context, page, torch.float8_e4m3fn if fp8 else torch.bfloat16, device)
+                    nbytes = 2 * batch * context * geom.num_kv_heads * geom.head_dim * (1 if fp8 else 2)
+                    assert nbytes >= ROTATE_BYTES // 4 or context < 131072
+                    ref = None
+                    for layout in ("nhd", "hnd"):
+                        kc, vc = case[layout]
+                        base = default_config(geom.head_dim, fp8, device)
+                        splits = choose_num_splits(batch, geom.num_kv_heads, context, base, device)
+                        rows = [("read roofline (no math), default tiles", paged_read(kc, vc, case["tables"], context, splits, base.block_n))]
+                        cfgs = [("decode default " + _short(base), base)]
+                        if a.sweep:
+                            cfgs += [("decode " + _short(c), c) for c in sweep_configs(geom.head_dim, fp8, device)]
+                        if case["sdpa"] is not None and layout == "nhd":
+                            rows.append(("sdpa cudnn (contiguous bf16, enable_gqa)", _sdpa(case, geom)))
+                        for label, cfg in cfgs:
+                            rows.append((label, lambda cfg=cfg, kc=kc, vc=vc, case=case: decode_attention(
+                                case["query"], kc, vc, case["tables"], case["seq_lens"], sinks=case["sinks"], config=cfg)))
+                        for label, call in rows:
+                            try:
+                                out = call()
+                                if label.startswith("decode"):
+                                    ref = out.float() if ref is None else ref
+                                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                                    if err > 5e-2:  # FP8 P rounding differs with the split count: ~2% on zero-mean V
+                                        raise RuntimeError(f"differs from the first decode by {err:.3g}")
+                                us = time_calls([call])
+                            except Exception as exc:  # noqa: BLE001 - a failing config is reported, not fatal
+                                print(f"  {label}: {type(exc).__name__}: {str(exc)[:160]}")
+                                continue
+                            r = dict(geometry=gname, batch=batch, context=context, page=page, layout=layout, what=label, us=us,
+                                     tbps=nbytes / us / 1e6)
+                            results.append(r)
+                            print(f"{gname:13} {batch:>2} {context:>7} {page:>4} {layout:4} {label:44} {us:8.1f} {r['tbps']:6.2f}", flush=True)
+                    del case
+                    torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "probe_layout.json"), "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, results=results), f, indent=1)
+
+
+def _sdpa(case: dict, geom):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k, v = case["sdpa"]
+    q = case["query"].view(k.shape[0], geom.num_q_heads, 1, geom.head_dim)
+
+    def call():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return call
+
+
+def _short(c: DecodeConfig) -> str:
+    return f"n{c.block_n}/w{c.num_warps}/s{c.num_stages}/pps{c.programs_per_sm:g}" + (f"/r{c.maxnreg}" if c.maxnreg else "")
+
+
+if __name__ == "__main__":
+    main()

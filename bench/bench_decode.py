@@ -334,9 +334,9 @@ def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
                 _cfg(False, n // 2, 4, 3, pps=4.0), _cfg(False, n // 2, 4, 3, pps=4.0, defer=True)]
     h = n // 2
     # v6: the denominator summed once after the loop (defer) trades a cross-warp sum per tile for registers
-    return [_cfg(False, h, 4, 3, pps=16.0), _cfg(False, h, 4, 3, pps=16.0, defer=True),
-            _cfg(False, h, 4, 4, pps=16.0, defer=True), _cfg(False, h, 4, 3, pps=16.0, defer=True, maxnreg=104),
-            _cfg(False, n, 4, 3, pps=8.0, defer=True)]
+    return [_cfg(False, h, 4, 3, pps=4.0), _cfg(False, h, 4, 3, pps=4.0, defer=True),
+            _cfg(False, h, 4, 4, pps=4.0, defer=True), _cfg(False, h, 4, 3, pps=4.0, defer=True, maxnreg=104),
+            _cfg(False, n, 4, 3, pps=2.0, defer=True)]
 
 
 def tune(device, log: dict, formats: list[str]) -> None:
@@ -371,7 +371,7 @@ def tune(device, log: dict, formats: list[str]) -> None:
         scored = [(cfg, measure(cfg)) for cfg in candidates]
         scored = [(c, e) for c, e in scored if "score" in e]
         best = min(scored, key=lambda ce: ce[1]["score"])
-        for pps in (2.0, 4.0, 16.0):
+        for pps in (2.0, 4.0, 8.0):  # programs resident per SM: whole waves of them (choose_num_splits)
             if pps != best[0].programs_per_sm:
                 trial = replace(best[0], programs_per_sm=pps)
                 e = measure(trial)
@@ -466,11 +466,26 @@ def summarise(records: list[dict], log: dict) -> list[dict]:
             bf16 = "bf16_hnd" if c.endswith("_hnd") else "bf16"
             if not c.startswith(("bf16", "sdpa")) and bf16 in fits:
                 s["break_even_vs_bf16"] = break_even_tokens(fits[bf16], line)
+                s["crossover_vs_bf16"] = measured_crossover(sel, bf16, c)
             if "sdpa_cudnn" in fits and c != "sdpa_cudnn":
                 s["break_even_vs_sdpa_cudnn"] = break_even_tokens(fits["sdpa_cudnn"], line)
             summary.append(s)
     log["summary"] = summary
     return summary
+
+
+def measured_crossover(sel: list[dict], base: str, col: str) -> int | None:
+    """The shortest measured context from which `col` is at least as fast as `base` at every longer one
+    measured (None: slower at the longest). Beside the fitted break-even, whose intercepts move by
+    ~1 us between runs, i.e. by ~1k tokens of break-even."""
+    us = {(r["column"], r["context"]): r["us"] for r in sel}
+    ctxs = sorted(c for (k, c) in us if k == col and (base, c) in us)
+    best = None
+    for ctx in reversed(ctxs):
+        if us[(col, ctx)] > us[(base, ctx)]:
+            break
+        best = ctx
+    return best
 
 
 EVIDENCE_COLUMNS = ("bf16", "fp8", *TQ_FORMATS, "sdpa_cudnn")
@@ -546,7 +561,9 @@ def targets(records: list[dict], summary: list[dict], log: dict) -> list[str]:
         if c.startswith("fp8") and "break_even_vs_bf16" in s:
             be = s["break_even_vs_bf16"]
             ok = be is not None and be < 2048
-            lines.append(f"{g} b={b} {c}: break-even vs our BF16 {'never' if be is None else f'{be:.0f}'} tokens (target < 2048) {'MET' if ok else 'MISSED'}")
+            cross = s.get("crossover_vs_bf16")
+            lines.append(f"{g} b={b} {c}: break-even vs our BF16 {'never' if be is None else f'{be:.0f}'} tokens (target < 2048) "
+                         f"{'MET' if ok else 'MISSED'}; measured: as fast or faster from {cross if cross else 'none'} tokens on")
         if c.startswith("turboquant_") and "slope_ratio_vs_sdpa_cudnn" in s:
             ratio = s["slope_ratio_vs_sdpa_cudnn"]
             limit = TQ_SLOPE_TARGETS.get(c)
@@ -682,14 +699,16 @@ def print_table(records: list[dict], summary: list[dict], target_lines: list[str
                 r = by.get((g, b, ctx, c))
                 cells.append(f"{r['us']:.1f} ({r['tbps']:.2f})" if r else "-")
             print(f"| {ctx} | " + " | ".join(cells) + " |")
-        print("| fit | column | slope ns/token | intercept us | slope / cuDNN | slope / flash | break-even vs our bf16 | vs cuDNN |")
+        print("| fit | column | slope ns/token | intercept us | slope / cuDNN | slope / flash | break-even vs our bf16 "
+              "(measured crossover) | vs cuDNN |")
         for s in summary:
             if (s["geometry"], s["batch"]) != (g, b):
                 continue
             def f(x, fmt="{:.3f}"):
                 return "-" if x is None else fmt.format(x)
             print(f"| | {s['column']} | {s['slope_ns_per_token']:.3f} | {s['intercept_us']:.1f} | {f(s.get('slope_ratio_vs_sdpa_cudnn'))} | "
-                  f"{f(s.get('slope_ratio_vs_sdpa_flash'))} | {f(s.get('break_even_vs_bf16'), '{:.0f}') if 'break_even_vs_bf16' in s else 'n/a'} | "
+                  f"{f(s.get('slope_ratio_vs_sdpa_flash'))} | "
+                  f"{f(s.get('break_even_vs_bf16'), '{:.0f}') + ' (' + f(s.get('crossover_vs_bf16'), '{}') + ')' if 'break_even_vs_bf16' in s else 'n/a'} | "
                   f"{f(s.get('break_even_vs_sdpa_cudnn'), '{:.0f}') if 'break_even_vs_sdpa_cudnn' in s else 'n/a'} |")
     if acc:
         print("\n## accuracy: relative error vs float64, positive-weighted P.V (Llama layer, batch 1)")
@@ -726,7 +745,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="also write the batch-8 fits as a policy evidence `kernels` block (YAML) for kvpolicy recommend")
     p.add_argument("--skip-accuracy", action="store_true", help="skip the accuracy and needle sections")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/bench_decode.json when $OUT is set)")
+    p.add_argument("--reprint", default=None, metavar="JSON",
+                   help="no GPU: re-derive fits, targets and tables from a saved run's JSON and print them")
     args = p.parse_args(argv)
+    if args.reprint:
+        with open(args.reprint) as fh:
+            saved = json.load(fh)
+        print(f"# bench_decode {saved['date']} on {saved['gpu']} (torch {saved['torch']}, triton {saved['triton']}, "
+              f"commit {saved['commit']}), re-derived from {args.reprint}")
+        summary = summarise(saved["speed"], saved)
+        print_table(saved["speed"], summary, targets(saved["speed"], summary, saved), saved.get("accuracy", []),
+                    saved.get("needle", []))
+        return 0
     global MIN_TOKENS_PER_SPLIT
     MIN_TOKENS_PER_SPLIT = args.min_tokens_per_split
     args.formats = [f for f in args.formats.split(",") if f]

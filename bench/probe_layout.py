@@ -11,12 +11,16 @@ This probe times, in one run and with the same random block tables:
   math (an XOR of the words read), i.e. the read roofline of each layout;
 - `decode_attention` (default config, and with --sweep the tiles and split targets
   of `sweep_configs`) on each layout; for BF16 also cuDNN SDPA on contiguous K/V.
+With --tq FORMATS it instead times the TurboQuant kernel at its default tiling and at each
+--split-counts value.
 Usage: python bench/probe_layout.py [--dtype fp8|bfloat16] [--contexts 32768,131072] [--batch 8,1]
-                                    [--geometries gpt-oss-20b] [--sweep]
+                                    [--geometries gpt-oss-20b] [--sweep] [--split-counts 4,8,16]
+                                    [--tq turboquant_4bit_nc]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -101,9 +105,20 @@ def caches(geom, batch: int, context: int, page: int, dtype: torch.dtype, device
     return dict(nhd=nhd, hnd=hnd, tables=tables, query=query, seq_lens=seq_lens, sinks=sinks, sdpa=sdpa)
 
 
-def sweep_configs(head_dim: int, fp8: bool, device) -> list[DecodeConfig]:
-    """Tiles around the default: fewer/more tokens, warps and stages, register caps, and split targets."""
+def sweep_configs(head_dim: int, fp8: bool, device, swapped: bool = False, splits: bool = False) -> list[DecodeConfig]:
+    """Tiles around the default: fewer/more tokens, warps and stages, register caps, and split targets;
+    `swapped`: the wgmma form (S^T = K.Q^T, O^T = V^T.P^T) at 64- and 128-token tiles instead;
+    `splits`: the default tile with other split targets and split floors (short contexts)."""
     base = default_config(head_dim, fp8, device)
+    if splits:
+        return [replace(base, programs_per_sm=pps, min_tokens_per_split=floor)
+                for pps in (2.0, 4.0, 8.0) for floor in (0, 256, 512)
+                if (pps, floor) != (base.programs_per_sm, base.min_tokens_per_split)]
+    if swapped:
+        sw = replace(base, swap_ab=True, defer_sum=False)
+        return [replace(sw, block_n=n, num_stages=st, programs_per_sm=pps, num_warps=w)
+                for n in (64, 128) for st in (2, 3) for pps in (8.0, 16.0) for w in (4, 8)
+                if not (w == 8 and n == 64)]
     if not fp8:
         n = base.block_n
         return [replace(base, programs_per_sm=p) for p in (1.0, 4.0, 8.0, 16.0) if p != base.programs_per_sm] + [
@@ -124,9 +139,25 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp8", choices=["fp8", "bfloat16"], help="cache format")
     ap.add_argument("--geometries", default=",".join(GEOMETRIES))
     ap.add_argument("--sweep", action="store_true", help="also time sweep_configs() on each layout")
+    ap.add_argument("--swapped", action="store_true", help="sweep the wgmma (swap_ab) form")
+    ap.add_argument("--splits", action="store_true", help="sweep split targets and floors")
+    ap.add_argument("--fp8-query", action="store_true", help="decode with fp8_query=True")
+    ap.add_argument("--split-counts", default="", help="comma list: also time the default config at these num_splits")
+    ap.add_argument("--layouts", default="nhd,hnd")
+    ap.add_argument("--tq", default="", help="comma list of TurboQuant formats: sweep their split counts instead")
     a = ap.parse_args()
     device = torch.device("cuda")
     results = []
+    if a.tq:
+        for fmt in a.tq.split(","):
+            results += tq_split_sweep(fmt, a.geometries.split(","), list(map(int, a.batch.split(","))),
+                                      list(map(int, a.contexts.split(","))),
+                                      list(map(int, filter(None, a.split_counts.split(",")))), device)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "probe_layout.json"), "w") as f:
+                json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                               results=results), f, indent=1)
+        return
     print(f"{'geometry':13} {'b':>2} {'ctx':>7} {'page':>4} {'layout':4} {'what':44} {'us':>8} {'TB/s':>6}")
     fp8 = a.dtype == "fp8"
     for gname in a.geometries.split(","):
@@ -138,19 +169,24 @@ def main() -> None:
                     nbytes = 2 * batch * context * geom.num_kv_heads * geom.head_dim * (1 if fp8 else 2)
                     assert nbytes >= ROTATE_BYTES // 4 or context < 131072
                     ref = None
-                    for layout in ("nhd", "hnd"):
+                    for layout in a.layouts.split(","):
                         kc, vc = case[layout]
                         base = default_config(geom.head_dim, fp8, device)
                         splits = choose_num_splits(batch, geom.num_kv_heads, context, base, device)
                         rows = [("read roofline (no math), default tiles", paged_read(kc, vc, case["tables"], context, splits, base.block_n))]
                         cfgs = [("decode default " + _short(base), base)]
                         if a.sweep:
-                            cfgs += [("decode " + _short(c), c) for c in sweep_configs(geom.head_dim, fp8, device)]
+                            cfgs += [("decode " + _short(c), c) for c in sweep_configs(geom.head_dim, fp8, device, a.swapped,
+                                                                                       a.splits)]
                         if case["sdpa"] is not None and layout == "nhd":
                             rows.append(("sdpa cudnn (contiguous bf16, enable_gqa)", _sdpa(case, geom)))
+                        cfgs += [(f"decode splits={n}", base) for n in map(int, filter(None, a.split_counts.split(",")))
+                                 if n * base.block_n <= context]
                         for label, cfg in cfgs:
-                            rows.append((label, lambda cfg=cfg, kc=kc, vc=vc, case=case: decode_attention(
-                                case["query"], kc, vc, case["tables"], case["seq_lens"], sinks=case["sinks"], config=cfg)))
+                            n = int(label.split("=")[1]) if "splits=" in label else None
+                            rows.append((label, lambda cfg=cfg, kc=kc, vc=vc, case=case, n=n: decode_attention(
+                                case["query"], kc, vc, case["tables"], case["seq_lens"], sinks=case["sinks"], config=cfg,
+                                fp8_query=a.fp8_query, num_splits=n)))
                         for label, call in rows:
                             try:
                                 out = call()
@@ -174,6 +210,45 @@ def main() -> None:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, results=results), f, indent=1)
 
 
+def tq_split_sweep(fmt: str, geometries: list[str], batches: list[int], contexts: list[int], counts: list[int],
+                   device) -> list[dict]:
+    """decode_attention_tq at its default tiling and each split count in `counts` (and its own default)."""
+    from kvpolicy.kernels.tq_decode import decode_attention_tq
+    from kvpolicy.kernels.tq_store import store_kv_tq
+    from kvpolicy.kernels.turboquant import allocate_tq_cache, tq_layout
+
+    results = []
+    for gname in geometries:
+        geom = GEOMETRIES[gname]
+        slot = tq_layout(fmt, geom.head_dim).slot_bytes
+        for batch in batches:
+            for context in contexts:
+                pages = -(-context // 16)
+                tables = torch.randperm(batch * pages, device=device).view(batch, pages).to(torch.int32)
+                cache = allocate_tq_cache(batch * pages, 16, geom.num_kv_heads, geom.head_dim, fmt, device)
+                pos = torch.arange(context, device=device)
+                slots = (tables.long()[:, pos // 16] * 16 + pos % 16).reshape(-1)
+                key = torch.randn(batch * context, geom.num_kv_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
+                store_kv_tq(key, torch.randn_like(key), cache, slots, fmt)
+                del key
+                query = torch.randn(batch, geom.num_q_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
+                seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+                sinks = torch.randn(geom.num_q_heads, device=device) if geom.sinks else None
+                nbytes = batch * context * geom.num_kv_heads * slot
+                for n in [None, *counts]:
+                    if n is not None and n * 64 > context:
+                        continue
+                    us = time_calls([functools.partial(decode_attention_tq, query, cache, tables, seq_lens, fmt, sinks=sinks,
+                                                       num_splits=n)])
+                    label = "tq default splits" if n is None else f"tq splits={n}"
+                    results.append(dict(geometry=gname, batch=batch, context=context, layout="nhd", what=label, us=us,
+                                        tbps=nbytes / us / 1e6, format=fmt))
+                    print(f"{gname:13} {batch:>2} {context:>7} {fmt:20} {label:24} {us:8.1f} {nbytes / us / 1e6:6.2f}", flush=True)
+                del cache
+                torch.cuda.empty_cache()
+    return results
+
+
 def _sdpa(case: dict, geom):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -187,7 +262,8 @@ def _sdpa(case: dict, geom):
 
 
 def _short(c: DecodeConfig) -> str:
-    return f"n{c.block_n}/w{c.num_warps}/s{c.num_stages}/pps{c.programs_per_sm:g}" + (f"/r{c.maxnreg}" if c.maxnreg else "")
+    return (("swap/" if c.swap_ab else "") + f"n{c.block_n}/w{c.num_warps}/s{c.num_stages}/pps{c.programs_per_sm:g}"
+            + (f"/r{c.maxnreg}" if c.maxnreg else "") + (f"/floor{c.min_tokens_per_split}" if c.min_tokens_per_split else ""))
 
 
 if __name__ == "__main__":

@@ -300,3 +300,32 @@ def test_gpu_chained_calls_see_each_others_writes(device: str, fmt: str, monkeyp
         results[mode] = (eager, last.clone())
     assert torch.equal(results["1"][0], results["0"][0])
     assert torch.equal(results["1"][1], results["0"][0])
+
+
+def test_split_count_fills_whole_waves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split heuristic, on a 132-SM GPU: one full wave of resident programs, long splits when there is work
+    to spare, one-tile splits only when the GPU would otherwise idle, more waves only for very long contexts."""
+    import kvpolicy.kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "_num_sms", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    fp8 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, swap_ab=False, programs_per_sm=4.0)
+
+    def splits(batch: int, context: int, cfg: DecodeConfig = fp8) -> int:
+        return da.choose_num_splits(batch, 8, context, cfg, gpu)
+
+    # batch 8 x 8 KV heads: 8 splits = 512 programs, one wave of 4 x 132 = 528 (not 33 splits = 4 waves)
+    assert [splits(8, n) for n in (2048, 4096, 8192, 32768)] == [8, 8, 8, 8]
+    for n in (1024, 4096, 32768):
+        assert 8 * 8 * splits(8, n) <= 4 * 132
+    # batch 1: 64 splits (512 programs) at long contexts; splits of >= 4 tiles once that still fills every SM
+    assert splits(1, 32768) == 64
+    assert splits(1, 8192) == 32  # 4 tiles of 64 tokens each, 256 programs
+    assert splits(1, 1024) == 16  # 16 one-tile splits: 128 programs, about one per SM
+    # very long contexts: up to 4 waves of >= 64-tile splits
+    assert splits(8, 131072) == 32
+    # a split floor and the 128 cap hold
+    assert splits(1, 4096, DecodeConfig(64, 4, 3, False, 4.0, min_tokens_per_split=1024)) == 4
+    assert da.choose_num_splits(1, 1, 1 << 20, fp8, gpu) <= 128
+    # more sequences than a wave holds: no splitting
+    assert splits(128, 32768) == 1

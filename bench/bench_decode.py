@@ -127,13 +127,13 @@ def _tq_pick(fmt: str, cache: torch.Tensor, query, block_tables, seq_lens, sinks
     key = (fmt, *query.shape, block_tables.shape[1])
     if key in TQ_TUNED:
         return TQ_TUNED[key]
-    # 8 and 16 programs per SM: the two ends of what default_num_splits picks by context length
+    # the library's split count (None: whole waves, tq_decode.default_num_splits), and 8 and 16 programs per SM
     num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
     base = max(1, min(math.ceil(8 * num_sms / (query.shape[0] * cache.shape[2])), 64))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     trials = []
     for block_n, num_warps, prefetch, maxnreg in TQ_CANDIDATES[fmt]:
-        for splits in sorted({base, min(64, 2 * base)}):
+        for splits in [None, *sorted({base, min(64, 2 * base)})]:
             opts = dict(block_n=block_n, num_warps=num_warps, prefetch=prefetch, num_splits=splits, maxnreg=maxnreg)
             try:
                 call = lambda: decode_attention_tq(query, cache, block_tables, seq_lens, fmt, sinks=sinks, **opts)  # noqa: E731
@@ -152,7 +152,7 @@ def _tq_pick(fmt: str, cache: torch.Tensor, query, block_tables, seq_lens, sinks
     us, best = min(trials, key=lambda t: t[0])
     TQ_TUNED[key] = best
     print(f"  {fmt} {tuple(query.shape)} pages={block_tables.shape[1]}: picked {best} ({us:.1f} us) of "
-          + ", ".join(f"{o['block_n']}/{o['num_warps']}w/{o['prefetch']}/{o['maxnreg']}/{o['num_splits']}={t:.0f}"
+          + ", ".join(f"{o['block_n']}/{o['num_warps']}w/{o['prefetch']}/{o['maxnreg']}/{o['num_splits'] or 'default'}={t:.0f}"
                       for t, o in trials), flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "tq_tuned.json"), "w") as fh:

@@ -120,13 +120,21 @@ def _pow2_floor(x: int) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: DecodeConfig, device: torch.device) -> int:
-    """Splits per sequence, from the block table's capacity (no host sync, graph-safe).
+    """Splits per sequence for `config`: `split_count` with its tile, residency and split floor."""
+    return split_count(batch, num_kv_heads, max_context, config.block_n * config.num_sub, config.programs_per_sm, device,
+                       config.min_tokens_per_split)
+
+
+def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, programs_per_sm: float, device: torch.device,
+                min_tokens_per_split: int = 0) -> int:
+    """Splits per sequence for programs of `tile` tokens of which `programs_per_sm` are resident per SM at once,
+    from the block table's capacity (no host sync, graph-safe).
 
     Measured on an H200 over 1, 2, 4, ..., 128 splits at 1k-128k tokens, batch 1 and 8, both
-    layers and formats (bench/NOTES.md v7, `bench/results_splits_*_h200.json`):
-    - one full wave: batch x KV heads x splits programs up to what the SMs hold at once
-      (`programs_per_sm` resident each), rounded down to a power of two; a partial second
-      wave or an empty trailing split cost up to 20%;
+    layers, BF16, FP8 and TurboQuant (bench/NOTES.md v7, `bench/results_splits_*_h200.json`):
+    - one full wave: batch x KV heads x splits programs up to what the SMs hold at once,
+      rounded down to a power of two; a partial second wave or an empty trailing split cost
+      up to 20%;
     - long contexts: up to 4 such waves while each split keeps >= 64 tiles (-2.5% at 128k);
     - each split >= 4 tiles, or 2, or 1 when longer splits would leave SMs without a program
       (a one-tile program spends as long on its prologue, epilogue and merge as on the tile);
@@ -137,16 +145,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: D
     """
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
     pairs = batch * num_kv_heads
-    resident = int(config.programs_per_sm * num_sms)
+    resident = int(programs_per_sm * num_sms)
     if pairs >= resident:
         return 1  # the sequences alone fill a wave
-    tiles = max(1, -(-max_context // (config.block_n * config.num_sub)))
+    tiles = max(1, -(-max_context // tile))
     wave = _pow2_floor(resident // pairs)
     waves = 1 if tiles < 64 * wave else min(4, _pow2_floor(tiles // (64 * wave)))
     per_split = next((t for t in (4, 2) if (tiles // t) * pairs >= num_sms), 1)
     cap = max(1, tiles // per_split)
-    if config.min_tokens_per_split:
-        cap = min(cap, max(1, max_context // config.min_tokens_per_split))
+    if min_tokens_per_split:
+        cap = min(cap, max(1, max_context // min_tokens_per_split))
     return max(1, min(wave * waves, _pow2_floor(cap), 128))
 
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpolicy.kernels.decode_attention import split_count
 from kvpolicy.kernels.reductions import rmax, rsum
 from kvpolicy.kernels.turboquant import (
     k3_program,
@@ -405,17 +406,24 @@ def default_tiling(key_bits: int, head_dim: int) -> tuple[int, int, bool, int | 
     return 64, 2, False, None
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
-    """Splits so that 8 (16 past 64k tokens) programs per SM are in flight, each with >= 2 tiles of work.
+def resident_programs(key_bits: int, head_dim: int) -> float:
+    """Programs of the default tiling resident per SM at once on an H200 (registers decide), as the split-count
+    sweep found them (bench/NOTES.md v7): FP8 keys and 4-bit keys at head_dim 64 (128-token tiles, no register
+    cap) hold 2; 4-bit keys at head_dim 128 (capped at 128 registers) and 3-bit keys (2 warps) hold 4."""
+    if key_bits == 8 or (key_bits == 4 and head_dim < 128):
+        return 2.0
+    return 4.0
 
-    On an H200, batch 8: 17 splits beat 34 by 3-10% at 4k-16k, 34 beat 17 by 5-7% at 128k; both
-    beat the 9 of a 4-programs-per-SM target by 12-15%: more programs hide the unpack chain's latency."""
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device,
+                       programs_per_sm: float = 2.0) -> int:
+    """Splits that fill whole waves of `programs_per_sm` resident programs (`decode_attention.split_count`).
+
+    Measured over 2-64 splits at 4k-128k, batch 1 and 8 (`bench/results_splits_tq_h200.json`): 4.2% slower
+    on average than the best count with the earlier 8-16 programs per SM, 0.6% with this."""
     if device.type != "cuda":
         return 1 if max_context <= 4 * block_n else 2
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = 16 if max_context >= 65536 else 8
-    want = triton.cdiv(per_sm * num_sms, batch * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max_context, 2 * block_n), 64))
+    return min(64, split_count(batch, num_kv_heads, max_context, block_n, programs_per_sm, device))
 
 
 def decode_attention_tq(
@@ -466,7 +474,8 @@ def decode_attention_tq(
     group = hq // hkv
     page = cache.shape[1]
     if num_splits is None:
-        num_splits = default_num_splits(bsz, hkv, block_tables.shape[1] * page, block_n, query.device)
+        resident = resident_programs(lay.key_bits, d) if (block_n, num_warps) == tiling[:2] else 2.0
+        num_splits = default_num_splits(bsz, hkv, block_tables.shape[1] * page, block_n, query.device, resident)
     if use_asm is None:
         use_asm = query.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)

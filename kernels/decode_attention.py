@@ -84,16 +84,17 @@ def default_config(head_dim: int, kv_fp8: bool, device: torch.device) -> DecodeC
     block_n = max(32, min(256, 16384 // head_dim))
     if kv_fp8:
         # FP8 is latency-bound at ~1 IPC (NOTES.md v4-v6): half the tile (4 programs
-        # of 4 warps per SM at head_dim 128), three stages (two tiles in flight
+        # of 4 warps resident per SM: 117-123 registers, 55 KB of shared memory), three stages (two tiles in flight
         # per program now that the page look-up runs one tile ahead), and the
         # denominator summed once after the loop measured fastest.
         return DecodeConfig(block_n=max(32, block_n // 2), num_warps=4, num_stages=3, swap_ab=False,
                             programs_per_sm=4.0, defer_sum=True)
+    # BF16 programs: 130-140 registers and 72-74 KB of shared memory, so 3 resident per SM.
     if head_dim <= 64:
         # gpt-oss's head_dim 64 (GQA 8): half tiles, three stages, deferred sum (NOTES.md v6).
-        return DecodeConfig(block_n=block_n // 2, num_warps=4, num_stages=3, swap_ab=False, programs_per_sm=2.0,
+        return DecodeConfig(block_n=block_n // 2, num_warps=4, num_stages=3, swap_ab=False, programs_per_sm=3.0,
                             defer_sum=True)
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=2.0)
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=3.0)
 
 
 def use_pdl(device: torch.device) -> bool:
@@ -135,7 +136,9 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
     - one full wave: batch x KV heads x splits programs up to what the SMs hold at once,
       rounded down to a power of two; a partial second wave or an empty trailing split cost
       up to 20%;
-    - long contexts: up to 4 such waves while each split keeps >= 64 tiles (-2.5% at 128k);
+    - very long contexts (>= 256 tiles per split in one wave): up to 4 waves while each split keeps
+      >= 64 tiles (-2.5% for FP8 at 128k); a second wave made of a power-of-two count that does
+      not fill it (8 BF16 splits at batch 8) measured 13% slower at 64k;
     - each split >= 4 tiles, or 2, or 1 when longer splits would leave SMs without a program
       (a one-tile program spends as long on its prologue, epilogue and merge as on the tile);
     - never shorter than `min_tokens_per_split`, never more than 128; no splits at all when the
@@ -150,7 +153,7 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
         return 1  # the sequences alone fill a wave
     tiles = max(1, -(-max_context // tile))
     wave = _pow2_floor(resident // pairs)
-    waves = 1 if tiles < 64 * wave else min(4, _pow2_floor(tiles // (64 * wave)))
+    waves = 1 if tiles < 256 * wave else min(4, _pow2_floor(tiles // (64 * wave)))
     per_split = next((t for t in (4, 2) if (tiles // t) * pairs >= num_sms), 1)
     cap = max(1, tiles // per_split)
     if min_tokens_per_split:

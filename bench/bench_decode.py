@@ -699,14 +699,15 @@ def print_table(records: list[dict], summary: list[dict], target_lines: list[str
                 r = by.get((g, b, ctx, c))
                 cells.append(f"{r['us']:.1f} ({r['tbps']:.2f})" if r else "-")
             print(f"| {ctx} | " + " | ".join(cells) + " |")
-        print("| fit | column | slope ns/token | intercept us | slope / cuDNN | slope / flash | break-even vs our bf16 "
+        print("\n| column | slope ns/token | intercept us | slope / cuDNN | slope / flash | break-even vs our bf16 "
               "(measured crossover) | vs cuDNN |")
+        print("|---" * 7 + "|")
         for s in summary:
             if (s["geometry"], s["batch"]) != (g, b):
                 continue
             def f(x, fmt="{:.3f}"):
                 return "-" if x is None else fmt.format(x)
-            print(f"| | {s['column']} | {s['slope_ns_per_token']:.3f} | {s['intercept_us']:.1f} | {f(s.get('slope_ratio_vs_sdpa_cudnn'))} | "
+            print(f"| {s['column']} | {s['slope_ns_per_token']:.3f} | {s['intercept_us']:.1f} | {f(s.get('slope_ratio_vs_sdpa_cudnn'))} | "
                   f"{f(s.get('slope_ratio_vs_sdpa_flash'))} | "
                   f"{f(s.get('break_even_vs_bf16'), '{:.0f}') + ' (' + f(s.get('crossover_vs_bf16'), '{}') + ')' if 'break_even_vs_bf16' in s else 'n/a'} | "
                   f"{f(s.get('break_even_vs_sdpa_cudnn'), '{:.0f}') if 'break_even_vs_sdpa_cudnn' in s else 'n/a'} |")
@@ -714,12 +715,14 @@ def print_table(records: list[dict], summary: list[dict], target_lines: list[str
         print("\n## accuracy: relative error vs float64, positive-weighted P.V (Llama layer, batch 1)")
         variants = list(dict.fromkeys(r["variant"] for r in acc))
         print("| context | " + " | ".join(variants) + " |")
+        print("|---" * (len(variants) + 1) + "|")
         for ctx in sorted({r["context"] for r in acc}):
             print(f"| {ctx} | " + " | ".join(f"{r['rel_err']:.2e}" for v in variants for r in acc if r["context"] == ctx and r["variant"] == v) + " |")
     if ndl:
         print("\n## needle: fraction of query heads retrieving the planted value (bit accuracy)")
         variants = list(dict.fromkeys(r["variant"] for r in ndl))
         print("| margin | context | " + " | ".join(variants) + " |")
+        print("|---" * (len(variants) + 2) + "|")
         for margin in sorted({r["margin"] for r in ndl}, reverse=True):
             for ctx in sorted({r["context"] for r in ndl}):
                 cells = [f"{r['retrieved']:.2f} ({r['bit_accuracy']:.3f})" for v in variants for r in ndl

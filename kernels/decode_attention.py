@@ -139,7 +139,7 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
     - long contexts: 2 or 4 waves while each split keeps >= 64 tiles, if the power-of-two count
       fills the last wave to >= 85% (FP8, batch 8, 128k: 16 splits 9% faster than 8 on the
       gpt-oss layer); a count that does not (8 BF16 splits at batch 8 = 1.3 waves of 396
-      programs) measured 11-12% slower at 64k;
+      programs) measured 10-12% slower at 64k;
     - each split >= 4 tiles, or 2, or 1 when longer splits would leave SMs without a program
       (a one-tile program spends as long on its prologue, epilogue and merge as on the tile);
     - never shorter than `min_tokens_per_split`, never more than 128; no splits at all when the

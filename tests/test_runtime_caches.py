@@ -166,3 +166,26 @@ def test_fill_writes_every_slot_a_shorter_context_can_read():
         assert torch.isfinite(step.run()).all()
     ring = step.caches[0].key_cache
     assert not torch.isnan(ring).any()  # sliding layers: the whole ring holds data
+
+
+def test_cache_layout_follows_the_backend_vllm_would_use():
+    """FlashInfer on Blackwell keeps heads contiguous per page (HND); everything else kvpolicy selects is NHD."""
+    from kvpolicy.decision import Decision
+    from kvpolicy.runtime.variants import cache_layout, variant_list
+
+    flashinfer = Decision(kv_cache_dtype="fp8", attention_backend="FLASHINFER")
+    assert cache_layout(flashinfer, "blackwell") == "HND"
+    assert cache_layout(flashinfer, "hopper") == "NHD"
+    assert cache_layout(Decision(kv_cache_dtype="fp8", attention_backend="FLASH_ATTN"), "blackwell") == "NHD"
+    variants = variant_list(flashinfer, ["turboquant_4bit_nc"], "HND")
+    assert [v.key for v in variants] == ["bf16", "fp8", "turboquant_4bit_nc"]
+    assert {v.cache_layout for v in variants} == {"HND"}
+
+
+def test_hnd_caches_are_head_major_and_hold_the_formula_bytes():
+    arch = ModelArch(id="mini", num_layers=2, layer_types=["full", "full"], num_attention_heads=4, num_kv_heads=2,
+                     head_dim=64)
+    plans = plan_layers(arch, Variant("fp8", cache_layout="HND"))
+    cache = allocate(plans, batch=2, max_context=100, device="cpu", layout="HND")[0]
+    assert cache.key_cache.shape[1:] == (16, 2, 64)
+    assert cache.key_cache.stride()[1:] == (64, 16 * 64, 1)  # position, head, dim: one head's page is contiguous

@@ -121,3 +121,16 @@ def test_verify_on_the_cpu_gives_recovery_and_verdicts(tmp_path, capsys):
     verdict = {v["variant"]: v for v in result["verdicts"]}["turboquant_3bit_nc"]
     assert verdict["verdict"] in ("pass", "keep_bf16") and verdict["min_recovery"] is not None
     assert "needle recovery" in out and "model-level check: skipped" in out
+
+
+def test_bench_measures_flashinfer_decisions_on_hnd_pages(tmp_path):
+    """On Blackwell the default policy sends FP8 to FLASHINFER, whose vLLM backend keeps each KV head's page
+    contiguous (HND); the runtime allocates its caches that way, and says so in the result."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    code = main(["bench", "--model", str(mini_oss(tmp_path)), "--gpu", "b200", "--device", "cpu",
+                 "--contexts", "8k,32k", "--batch", "1", "--no-plot", "--out", str(out), "--format", "json"])
+    assert code == 0
+    result = json.loads(next(out.glob("bench-*.json")).read_text())
+    assert result["decision"]["attention_backend"] == "FLASHINFER"
+    assert {v["cache_layout"] for v in result["variants"]} == {"HND"}

@@ -50,3 +50,26 @@ def test_triton_branch_agrees_with_the_reference_branch(variant):
         want = ops.decode(cache, plan, q, prep.block_tables[plan.index], prep.seq_lens, "reference")
         err = float((got - want).norm() / want.norm())
         assert err < TOLERANCE[variant], f"layer {plan.index} ({plan.kind}): {err:.2e}"
+
+
+def test_hnd_pages_give_the_nhd_answer():
+    """The same step on head-major pages (vLLM's FlashInfer layout on Blackwell): bit-identical decode output."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("kernel modules were imported before TRITON_INTERPRET could be set")
+    from dataclasses import replace
+
+    arch = ModelArch(id="mini-oss", num_layers=2, layer_types=["sliding", "full"], num_attention_heads=4,
+                     num_kv_heads=2, head_dim=64, sliding_window=48, has_attention_sinks=True)
+    outs = {}
+    for layout in ("NHD", "HND"):
+        step = DecodeStep(arch, replace(parse_variant("fp8+per_head"), cache_layout=layout), batch=2, max_context=200,
+                          device=CPU, backend="triton")
+        step.fill(200)
+        step.prepare(150)
+        prep = step._prepared
+        cache = step.caches[1]
+        assert cache.key_cache.stride(2) == (16 * 64 if layout == "HND" else 64)
+        outs[layout] = [ops.decode(step.caches[p.index], p, step.queries[p.index].float(), prep.block_tables[p.index],
+                                   prep.seq_lens, "triton") for p in step.plans]
+    for nhd, hnd in zip(outs["NHD"], outs["HND"]):
+        assert torch.equal(nhd, hnd)

@@ -155,13 +155,13 @@ def _bench(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any,
            compare: list[str], device: Any, backend: str, out_dir: Path) -> int:
     from kvpolicy.runtime.bench import run_bench
     from kvpolicy.runtime.plot import INSTALL_HINT, have_matplotlib, plot_bench
-    from kvpolicy.runtime.variants import variant_list
+    from kvpolicy.runtime.variants import cache_layout, variant_list
 
     batches = parse_batches(args.batch)
     # The engine's break-even facts read the fp8 (and, with sliding layers, fp8_skip_sliding) lines of a
     # model's ITL evidence: always measure those, so that --record can feed them.
     facts_variants = ["fp8", "fp8_skip_sliding"] if arch.count("sliding") else ["fp8"]
-    variants = variant_list(rec.decision, [*compare, *facts_variants])
+    variants = variant_list(rec.decision, [*compare, *facts_variants], cache_layout(rec.decision, gpu.generation))
     record = Path(args.record) if args.record else None
     if record is not None and backend == "triton":
         import torch
@@ -220,9 +220,11 @@ def _print_bench(result: Any) -> None:
 
     console = Console()
     env = result.environment
+    layouts = {v.cache_layout for v in result.variants}
+    pages = " on HND pages (FlashInfer's layout)" if layouts == {"HND"} else ""
     console.print(f"[bold]{result.model}[/] on [bold]{env.device}[/] ({env.backend}); decision "
                   f"[bold]{result.decision.kv_cache_dtype}[/] skip {result.decision.skip_layers or '[]'}; "
-                  f"{result.timing}")
+                  f"{result.timing}{pages}")
     table = Table(title="ITL = slope x context + intercept (decode-step attention, all layers)")
     for col in ("variant", "batch", "slope ms/token", "intercept ms", "slope vs BF16", "break-even tokens", "r2"):
         table.add_column(col, justify="left" if col == "variant" else "right")
@@ -237,13 +239,13 @@ def _print_bench(result: Any) -> None:
 
 def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any, contexts: list[int],
             compare: list[str], device: Any, backend: str, out_dir: Path) -> int:
-    from kvpolicy.runtime.variants import variant_list
+    from kvpolicy.runtime.variants import cache_layout, variant_list
     from kvpolicy.runtime.verify import run_verify, with_calibrated_twins
 
     # The needle runs on a full-attention layer, where skip-layer variants store the same format as their
     # plain twin: one run per distinct (format, switches).
     variants, seen = [], set()
-    for v in with_calibrated_twins(variant_list(rec.decision, compare)):
+    for v in with_calibrated_twins(variant_list(rec.decision, compare, cache_layout(rec.decision, gpu.generation))):
         if (v.kv_cache_dtype, v.two_level, v.scale_source) not in seen:
             seen.add((v.kv_cache_dtype, v.two_level, v.scale_source))
             variants.append(v)

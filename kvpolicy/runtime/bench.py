@@ -101,7 +101,7 @@ def run_bench(arch: ModelArch, gpu: GpuSpec, decision: Decision, variants: list[
             if info is None:
                 info = VariantInfo(name=variant.name, key=variant.key, kv_cache_dtype=variant.kv_cache_dtype,
                                    skip_layers=list(variant.skip_layers), two_level=variant.two_level,
-                                   scale_source=variant.scale_source,
+                                   scale_source=variant.scale_source, cache_layout=variant.cache_layout,
                                    kv_bytes_per_token=Layout.of(arch, variant.kv_cache_dtype,
                                                                 list(variant.skip_layers)).bytes_per_token(),
                                    layer_paths=step.layer_paths())

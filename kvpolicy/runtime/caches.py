@@ -179,8 +179,11 @@ def cache_dtype_name(fmt: KvFormat) -> str:
 
 
 def allocate(plans: list[LayerPlan], batch: int, max_context: int, device: Any,
-             block_size: int = BLOCK_SIZE, seed: int = 0) -> list[LayerCache | None]:
+             block_size: int = BLOCK_SIZE, seed: int = 0, layout: str = "NHD") -> list[LayerCache | None]:
     """Allocate every layer's cache for `batch` sequences of up to `max_context` tokens (None for no-cache layers).
+
+    `layout` ("NHD" or "HND") orders the pages of BF16/FP8 caches of full and sliding layers; MLA
+    latents (one KV head) and TurboQuant slots have one order.
 
     Block tables map sequence b's logical page j to physical page
     b * pages + (j mod pages), which is the identity for full layers and a ring
@@ -213,7 +216,7 @@ def allocate(plans: list[LayerPlan], batch: int, max_context: int, device: Any,
             c.value_cache = c.key_cache
         else:
             c.key_cache, c.value_cache = allocate_cache(num_blocks, block_size, plan.num_kv_heads, plan.head_dim,
-                                                        cache_dtype_name(plan.fmt), device)
+                                                        cache_dtype_name(plan.fmt), device, layout)
         per_token = c.nbytes // (num_blocks * block_size)
         if per_token != plan.bytes_per_token:
             raise RuntimeError(f"layer {plan.index}: the {plan.fmt.name} cache takes {per_token} bytes per token, "

@@ -220,7 +220,7 @@ def score(plan: LayerPlan, variant: Variant, case: NeedleCase, device: torch.dev
         raise ValueError(f"plan of layer {plan.index} holds {plan.fmt and plan.fmt.name}, not {variant.name}: "
                          "use plan_for(arch, geometry, variant)")
     batch, context, hkv, d = case.key.shape
-    cache = allocate([plan], batch, context, device)[0]
+    cache = allocate([plan], batch, context, device, layout=variant.cache_layout)[0]
     assert cache is not None
     cache.sinks = case.sinks
     if variant.kind == "fp8" and variant.scale_source != "uncalibrated":

@@ -50,6 +50,8 @@ class VariantInfo(_Model):
     """FP8 two-level accumulation switch."""
     scale_source: str = "uncalibrated"
     """FP8 scale source."""
+    cache_layout: str = "NHD"
+    """Page order of its BF16/FP8 caches (HND where vLLM's backend keeps heads contiguous per page)."""
     kv_bytes_per_token: int = 0
     """KV bytes per token over all layers (the KV-bytes formula)."""
     layer_paths: dict[str, list[int]] = Field(default_factory=dict)

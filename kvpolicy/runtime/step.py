@@ -62,7 +62,7 @@ class DecodeStep:
         self.max_context = max_context
         self.plans: list[LayerPlan] = plan_layers(arch, variant)
         # One more position than the longest context: the step's own new token.
-        self.caches = allocate(self.plans, batch, max_context + 1, device, seed=seed)
+        self.caches = allocate(self.plans, batch, max_context + 1, device, seed=seed, layout=variant.cache_layout)
         self.dtype = torch.bfloat16 if backend == "triton" else torch.float32
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
         self.queries = {p.index: self._randn(batch, p.num_q_heads, p.head_dim)

@@ -9,7 +9,7 @@ through `variant_key`. No torch here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpolicy.decision import Decision
 from kvpolicy.errors import InputError
@@ -37,6 +37,8 @@ class Variant:
     """FP8 P.V accumulated tile by tile in fp32 (the kernel's `two_level` switch)."""
     scale_source: str = "uncalibrated"
     """FP8 scales: uncalibrated (1.0), checkpoint_per_tensor or checkpoint_per_head (computed from the data)."""
+    cache_layout: str = "NHD"
+    """Page order of BF16/FP8 caches, as vLLM's backend keeps them: NHD, or HND (one KV head's page contiguous)."""
 
     @property
     def key(self) -> str:
@@ -119,11 +121,23 @@ def parse_variant(text: str, default_two_level: bool = True) -> Variant:
     return Variant(dtype, tuple(skip), two_level, scales)
 
 
-def variant_list(decision: Decision, compare: list[str]) -> list[Variant]:
-    """BF16 first, then the decision's variant, then `--compare` ones; duplicates dropped."""
+def cache_layout(decision: Decision, generation: str) -> str:
+    """The page order vLLM gives BF16/FP8 caches under the decision's attention backend.
+
+    vLLM's FlashInfer backend requires head-major pages (HND) on Blackwell, for its TRT-LLM
+    kernels; the other backends kvpolicy selects (FLASH_ATTN, TRITON_ATTN) keep vLLM's default
+    NHD. The layout changes what the kernels read per page (bench/NOTES.md v7: FP8 on a head_dim
+    64 layer reads 23% faster from HND pages), so the runtime measures the one vLLM would use.
+    """
+    return "HND" if decision.attention_backend == "FLASHINFER" and generation == "blackwell" else "NHD"
+
+
+def variant_list(decision: Decision, compare: list[str], layout: str = "NHD") -> list[Variant]:
+    """BF16 first, then the decision's variant, then `--compare` ones, all on `layout`; duplicates dropped."""
     chosen = Variant.of_decision(decision)
-    out = [Variant("auto")]
-    for v in [chosen, *(parse_variant(c, chosen.two_level) for c in compare if c.strip())]:
+    out: list[Variant] = []
+    for v in [Variant("auto"), chosen, *(parse_variant(c, chosen.two_level) for c in compare if c.strip())]:
+        v = replace(v, cache_layout=layout)
         if v not in out:
             out.append(v)
     return out

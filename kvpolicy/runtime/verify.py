@@ -12,6 +12,7 @@ model-level check (`hfcheck.py`) adds next-token agreement and KL divergence.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from pydantic import Field
@@ -130,7 +131,7 @@ def with_calibrated_twins(variants: list[Variant]) -> list[Variant]:
     out = list(variants)
     for v in variants:
         if v.kind == "fp8" and v.scale_source == "uncalibrated" and v.two_level:
-            twin = Variant(v.kv_cache_dtype, v.skip_layers, v.two_level, "checkpoint_per_head")
+            twin = replace(v, scale_source="checkpoint_per_head")
             if twin not in out:
                 out.insert(out.index(v) + 1, twin)
     return out

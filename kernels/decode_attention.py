@@ -73,6 +73,28 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Registers per thread and shared memory per program of the default configs, compiled for sm_90
+# (bench/sass_mix.py): FP8 at both head_dims 123 / 55,296 B; BF16 head_dim 128 130 / 73,984 B;
+# BF16 head_dim 64 140 / 71,680 B. The tiles hold 16K elements at every head_dim, so shared
+# memory barely moves with it; other GPUs differ mostly in shared memory per SM.
+_FP8_PROGRAM = (123, 55296)
+_BF16_PROGRAM = (130, 73984)
+_BF16_HD64_PROGRAM = (140, 71680)
+
+
+def resident_programs(regs_per_thread: int, smem_bytes: int, num_warps: int, device: torch.device) -> int:
+    """Programs of this size one SM of `device` holds at once: 64K registers per SM (allocated per
+    warp in units of 8 per thread), its shared memory (+1 KB reserved per block), its threads.
+    On an H200: 4 for the FP8 default, 3 for BF16 (what the split-count sweeps found best)."""
+    props = torch.cuda.get_device_properties(device)
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 233472
+    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 0) or 2048
+    by_regs = 65536 // (-(-regs_per_thread // 8) * 8 * 32 * num_warps)
+    by_smem = smem_per_sm // (smem_bytes + 1024)
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, 32))
+
+
 def default_config(head_dim: int, kv_fp8: bool, device: torch.device) -> DecodeConfig:
     """Configuration for a head_dim and cache format: tuned on an H200 (bench/NOTES.md), large tiles under the interpreter."""
     if device.type != "cuda" or _interpreting():
@@ -84,17 +106,17 @@ def default_config(head_dim: int, kv_fp8: bool, device: torch.device) -> DecodeC
     block_n = max(32, min(256, 16384 // head_dim))
     if kv_fp8:
         # FP8 is latency-bound at ~1 IPC (NOTES.md v4-v6): half the tile (4 programs
-        # of 4 warps resident per SM: 117-123 registers, 55 KB of shared memory), three stages (two tiles in flight
+        # of 4 warps resident per SM on an H200), three stages (two tiles in flight
         # per program now that the page look-up runs one tile ahead), and the
         # denominator summed once after the loop measured fastest.
         return DecodeConfig(block_n=max(32, block_n // 2), num_warps=4, num_stages=3, swap_ab=False,
-                            programs_per_sm=4.0, defer_sum=True)
-    # BF16 programs: 130-140 registers and 72-74 KB of shared memory, so 3 resident per SM.
+                            programs_per_sm=float(resident_programs(*_FP8_PROGRAM, 4, device)), defer_sum=True)
     if head_dim <= 64:
         # gpt-oss's head_dim 64 (GQA 8): half tiles, three stages, deferred sum (NOTES.md v6).
-        return DecodeConfig(block_n=block_n // 2, num_warps=4, num_stages=3, swap_ab=False, programs_per_sm=3.0,
-                            defer_sum=True)
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=3.0)
+        return DecodeConfig(block_n=block_n // 2, num_warps=4, num_stages=3, swap_ab=False,
+                            programs_per_sm=float(resident_programs(*_BF16_HD64_PROGRAM, 4, device)), defer_sum=True)
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, swap_ab=False,
+                        programs_per_sm=float(resident_programs(*_BF16_PROGRAM, 4, device)))
 
 
 def use_pdl(device: torch.device) -> bool:

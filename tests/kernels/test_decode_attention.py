@@ -332,3 +332,24 @@ def test_split_count_fills_whole_waves(monkeypatch: pytest.MonkeyPatch) -> None:
     assert da.choose_num_splits(1, 1, 1 << 20, fp8, gpu) <= 128
     # more sequences than a wave holds: no splitting
     assert splits(128, 32768) == 1
+
+
+def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split heuristic's wave size: 4 FP8 / 3 BF16 programs per SM on Hopper (228 KB of shared memory
+    per SM, as the H200 sweeps found), fewer where shared memory is smaller (A100 164 KB, L40S 100 KB)."""
+    from types import SimpleNamespace
+
+    import kvpolicy.kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "_interpreting", lambda: False)
+    gpu = torch.device("cuda", 0)
+
+    def wave(smem_per_sm: int, head_dim: int, fp8: bool) -> float:
+        props = SimpleNamespace(shared_memory_per_multiprocessor=smem_per_sm, max_threads_per_multi_processor=2048)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+        return da.default_config(head_dim, fp8, gpu).programs_per_sm
+
+    hopper, ampere, ada = 233472, 167936, 102400
+    assert [wave(hopper, 128, True), wave(hopper, 64, True), wave(hopper, 128, False), wave(hopper, 64, False)] == [4, 4, 3, 3]
+    assert wave(ampere, 128, False) == 2
+    assert wave(ada, 128, True) == 1 and wave(ada, 128, False) == 1

@@ -15,7 +15,8 @@ With --tq FORMATS it instead times the TurboQuant kernel at its default tiling a
 --split-counts value.
 Usage: python bench/probe_layout.py [--dtype fp8|bfloat16] [--contexts 32768,131072] [--batch 8,1]
                                     [--geometries gpt-oss-20b] [--sweep] [--split-counts 4,8,16]
-                                    [--tq turboquant_4bit_nc]
+                                    [--tq turboquant_4bit_nc] [--device cpu]
+(--device cpu: the Triton interpreter on small shapes, untimed; tests/test_bench_probe.py runs it so.)
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import functools
 import json
 import os
 import sys
+import time
 from dataclasses import replace
 
 import torch
@@ -31,14 +33,14 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import GEOMETRIES, ROTATE_BYTES, time_calls
+from bench_decode import GEOMETRIES, time_calls
 from kvpolicy.kernels.decode_attention import (
     DecodeConfig,
     choose_num_splits,
     decode_attention,
     default_config,
 )
-from kvpolicy.kernels.paged_store import store_kv
+from kvpolicy.kernels.paged_store import allocate_cache, store_kv
 
 
 @triton.jit
@@ -94,11 +96,10 @@ def caches(geom, batch: int, context: int, page: int, dtype: torch.dtype, device
     if dtype == torch.bfloat16:
         sdpa = [x.view(batch, context, geom.num_kv_heads, geom.head_dim).transpose(1, 2).contiguous() for x in (key, value)]
     del key, value
-    hnd = []
-    for c in nhd:
-        h = torch.empty(num_blocks, geom.num_kv_heads, page, geom.head_dim, dtype=c.dtype, device=device).permute(0, 2, 1, 3)
+    hnd = list(allocate_cache(num_blocks, page, geom.num_kv_heads, geom.head_dim,
+                              "fp8" if dtype == torch.float8_e4m3fn else "bfloat16", device, layout="HND"))
+    for h, c in zip(hnd, nhd):
         h.copy_(c)
-        hnd.append(h)
     query = torch.randn(batch, geom.num_q_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     sinks = torch.randn(geom.num_q_heads, device=device) if geom.sinks else None
@@ -131,7 +132,56 @@ def sweep_configs(head_dim: int, fp8: bool, device, swapped: bool = False, split
             replace(base, programs_per_sm=32.0), replace(base, programs_per_sm=8.0)]
 
 
-def main() -> None:
+def timer(device: torch.device):
+    """CUDA-graph medians on a GPU (bench_decode.time_calls); on a CPU, one wall-clock call (a smoke test)."""
+    if device.type == "cuda":
+        return time_calls
+
+    def once(calls):
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) * 1e6
+    return once
+
+
+def paged_rows(case: dict, geom, layout: str, context: int, fp8: bool, a: argparse.Namespace, device) -> list:
+    """(label, call) of one layout: the read roofline, cuDNN (BF16, NHD), the default decode and the sweeps."""
+    kc, vc = case[layout]
+    batch = case["query"].shape[0]
+    base = default_config(geom.head_dim, fp8, device)
+    splits = choose_num_splits(batch, geom.num_kv_heads, context, base, device)
+    rows = [("read roofline (no math), default tiles", paged_read(kc, vc, case["tables"], context, splits, base.block_n))]
+    if case["sdpa"] is not None and layout == "nhd":
+        rows.append(("sdpa cudnn (contiguous bf16, enable_gqa)", _sdpa(case, geom)))
+    cfgs = [("decode default " + _short(base), base, None)]
+    if a.sweep:
+        cfgs += [("decode " + _short(c), c, None) for c in sweep_configs(geom.head_dim, fp8, device, a.swapped, a.splits)]
+    cfgs += [(f"decode splits={n}", base, n) for n in _ints(a.split_counts) if n * base.block_n <= context]
+    for label, cfg, n in cfgs:
+        rows.append((label, functools.partial(decode_attention, case["query"], kc, vc, case["tables"], case["seq_lens"],
+                                              sinks=case["sinks"], config=cfg, fp8_query=a.fp8_query, num_splits=n)))
+    return rows
+
+
+def measure(rows: list, time_fn, ref: torch.Tensor | None) -> tuple[list[tuple[str, float]], torch.Tensor | None]:
+    """Time each row; every decode must agree with the first one (the same cache, other tiles or splits)."""
+    timed = []
+    for label, call in rows:
+        try:
+            out = call()
+            if label.startswith("decode"):
+                ref = out.float() if ref is None else ref
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                if err > 5e-2:  # FP8 P rounding differs with the split count: ~2% on zero-mean V
+                    raise RuntimeError(f"differs from the first decode by {err:.3g}")
+            timed.append((label, time_fn([call])))
+        except Exception as exc:  # noqa: BLE001 - a failing config is reported, not fatal
+            print(f"  {label}: {type(exc).__name__}: {str(exc)[:160]}")
+    return timed, ref
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batch", default="8,1")
@@ -145,73 +195,54 @@ def main() -> None:
     ap.add_argument("--split-counts", default="", help="comma list: also time the default config at these num_splits")
     ap.add_argument("--layouts", default="nhd,hnd")
     ap.add_argument("--tq", default="", help="comma list of TurboQuant formats: sweep their split counts instead")
-    a = ap.parse_args()
-    device = torch.device("cuda")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the kernels through the Triton interpreter "
+                                                     "(TRITON_INTERPRET=1) on small shapes as a smoke test, untimed")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    time_fn = timer(device)
     results = []
     if a.tq:
         for fmt in a.tq.split(","):
-            results += tq_split_sweep(fmt, a.geometries.split(","), list(map(int, a.batch.split(","))),
-                                      list(map(int, a.contexts.split(","))),
-                                      list(map(int, filter(None, a.split_counts.split(",")))), device)
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "probe_layout.json"), "w") as f:
-                json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                               results=results), f, indent=1)
-        return
+            results += tq_split_sweep(fmt, a.geometries.split(","), _ints(a.batch), _ints(a.contexts),
+                                      _ints(a.split_counts), device, time_fn)
+        _save(results)
+        return 0
     print(f"{'geometry':13} {'b':>2} {'ctx':>7} {'page':>4} {'layout':4} {'what':44} {'us':>8} {'TB/s':>6}")
     fp8 = a.dtype == "fp8"
     for gname in a.geometries.split(","):
         geom = GEOMETRIES[gname]
-        for batch in map(int, a.batch.split(",")):
-            for context in map(int, a.contexts.split(",")):
-                for page in map(int, a.pages.split(",")):
+        for batch in _ints(a.batch):
+            for context in _ints(a.contexts):
+                for page in _ints(a.pages):
                     case = caches(geom, batch, context, page, torch.float8_e4m3fn if fp8 else torch.bfloat16, device)
                     nbytes = 2 * batch * context * geom.num_kv_heads * geom.head_dim * (1 if fp8 else 2)
-                    assert nbytes >= ROTATE_BYTES // 4 or context < 131072
                     ref = None
                     for layout in a.layouts.split(","):
-                        kc, vc = case[layout]
-                        base = default_config(geom.head_dim, fp8, device)
-                        splits = choose_num_splits(batch, geom.num_kv_heads, context, base, device)
-                        rows = [("read roofline (no math), default tiles", paged_read(kc, vc, case["tables"], context, splits, base.block_n))]
-                        cfgs = [("decode default " + _short(base), base)]
-                        if a.sweep:
-                            cfgs += [("decode " + _short(c), c) for c in sweep_configs(geom.head_dim, fp8, device, a.swapped,
-                                                                                       a.splits)]
-                        if case["sdpa"] is not None and layout == "nhd":
-                            rows.append(("sdpa cudnn (contiguous bf16, enable_gqa)", _sdpa(case, geom)))
-                        cfgs += [(f"decode splits={n}", base) for n in map(int, filter(None, a.split_counts.split(",")))
-                                 if n * base.block_n <= context]
-                        for label, cfg in cfgs:
-                            n = int(label.split("=")[1]) if "splits=" in label else None
-                            rows.append((label, lambda cfg=cfg, kc=kc, vc=vc, case=case, n=n: decode_attention(
-                                case["query"], kc, vc, case["tables"], case["seq_lens"], sinks=case["sinks"], config=cfg,
-                                fp8_query=a.fp8_query, num_splits=n)))
-                        for label, call in rows:
-                            try:
-                                out = call()
-                                if label.startswith("decode"):
-                                    ref = out.float() if ref is None else ref
-                                    err = ((out.float() - ref).norm() / ref.norm()).item()
-                                    if err > 5e-2:  # FP8 P rounding differs with the split count: ~2% on zero-mean V
-                                        raise RuntimeError(f"differs from the first decode by {err:.3g}")
-                                us = time_calls([call])
-                            except Exception as exc:  # noqa: BLE001 - a failing config is reported, not fatal
-                                print(f"  {label}: {type(exc).__name__}: {str(exc)[:160]}")
-                                continue
-                            r = dict(geometry=gname, batch=batch, context=context, page=page, layout=layout, what=label, us=us,
-                                     tbps=nbytes / us / 1e6)
-                            results.append(r)
-                            print(f"{gname:13} {batch:>2} {context:>7} {page:>4} {layout:4} {label:44} {us:8.1f} {r['tbps']:6.2f}", flush=True)
+                        timed, ref = measure(paged_rows(case, geom, layout, context, fp8, a, device), time_fn, ref)
+                        for label, us in timed:
+                            results.append(dict(geometry=gname, batch=batch, context=context, page=page, layout=layout,
+                                                what=label, us=us, tbps=nbytes / us / 1e6))
+                            print(f"{gname:13} {batch:>2} {context:>7} {page:>4} {layout:4} {label:44} {us:8.1f} "
+                                  f"{nbytes / us / 1e6:6.2f}", flush=True)
                     del case
-                    torch.cuda.empty_cache()
+    _save(results)
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _save(results: list[dict]) -> None:
+    """$OUT/probe_layout.json, when $OUT is set (the device machine's output folder)."""
     if os.environ.get("OUT"):
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         with open(os.path.join(os.environ["OUT"], "probe_layout.json"), "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, results=results), f, indent=1)
+            json.dump(dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, results=results), f, indent=1)
 
 
 def tq_split_sweep(fmt: str, geometries: list[str], batches: list[int], contexts: list[int], counts: list[int],
-                   device) -> list[dict]:
+                   device, time_fn=time_calls) -> list[dict]:
     """decode_attention_tq at its default tiling and each split count in `counts` (and its own default)."""
     from kvpolicy.kernels.tq_decode import decode_attention_tq
     from kvpolicy.kernels.tq_store import store_kv_tq
@@ -238,14 +269,13 @@ def tq_split_sweep(fmt: str, geometries: list[str], batches: list[int], contexts
                 for n in [None, *counts]:
                     if n is not None and n * 64 > context:
                         continue
-                    us = time_calls([functools.partial(decode_attention_tq, query, cache, tables, seq_lens, fmt, sinks=sinks,
-                                                       num_splits=n)])
+                    us = time_fn([functools.partial(decode_attention_tq, query, cache, tables, seq_lens, fmt, sinks=sinks,
+                                                    num_splits=n)])
                     label = "tq default splits" if n is None else f"tq splits={n}"
                     results.append(dict(geometry=gname, batch=batch, context=context, layout="nhd", what=label, us=us,
                                         tbps=nbytes / us / 1e6, format=fmt))
                     print(f"{gname:13} {batch:>2} {context:>7} {fmt:20} {label:24} {us:8.1f} {nbytes / us / 1e6:6.2f}", flush=True)
                 del cache
-                torch.cuda.empty_cache()
     return results
 
 
@@ -267,4 +297,4 @@ def _short(c: DecodeConfig) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -391,28 +392,31 @@ def _tq_merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, (num / den).to(out_ptr.dtype.element_ty))
 
 
-def default_tiling(key_bits: int, head_dim: int) -> tuple[int, int, bool, int | None]:
-    """(block_n, num_warps, prefetch, maxnreg) for a key width and head_dim: what won the in-run tuning
-    on an H200 (bench_decode, batch 8, 32k and 128k; NOTES_TQ.md, third session).
+class Tiling(NamedTuple):
+    """A launch tiling of `_tq_decode_kernel` and how many of its programs an SM holds at once."""
 
-    FP8 keys keep 128-token tiles with the register prefetch of the next tile. 4-bit keys at
-    head_dim 128 run 64-token tiles capped at 128 registers (4 programs per SM instead of 3;
-    -4% at 128k); at head_dim 64, 128-token tiles. 3-bit keys run 64-token tiles on 2 warps
-    (more, smaller programs: -2% on the Llama layer, -14% on gpt-oss's at 128k)."""
+    block_n: int
+    num_warps: int
+    prefetch: bool
+    maxnreg: int | None
+    programs_per_sm: float
+    """Resident programs per SM on an H200 (registers decide), as the split-count sweep found them
+    (bench/NOTES.md v7); `default_num_splits` fills whole waves of them."""
+
+
+def default_tiling(key_bits: int, head_dim: int) -> Tiling:
+    """The tiling for a key width and head_dim: what won the in-run tuning on an H200 (bench_decode,
+    batch 8, 32k and 128k; NOTES_TQ.md, third session).
+
+    FP8 keys keep 128-token tiles with the register prefetch of the next tile (2 programs per SM).
+    4-bit keys at head_dim 128 run 64-token tiles capped at 128 registers (4 programs per SM instead
+    of 3; -4% at 128k); at head_dim 64, 128-token tiles (2 per SM). 3-bit keys run 64-token tiles
+    on 2 warps (4 per SM; more, smaller programs: -2% on the Llama layer, -14% on gpt-oss's at 128k)."""
     if key_bits == 8:
-        return 128, 4, True, None
+        return Tiling(128, 4, True, None, 2.0)
     if key_bits == 4:
-        return (64, 4, False, 128) if head_dim >= 128 else (128, 4, False, None)
-    return 64, 2, False, None
-
-
-def resident_programs(key_bits: int, head_dim: int) -> float:
-    """Programs of the default tiling resident per SM at once on an H200 (registers decide), as the split-count
-    sweep found them (bench/NOTES.md v7): FP8 keys and 4-bit keys at head_dim 64 (128-token tiles, no register
-    cap) hold 2; 4-bit keys at head_dim 128 (capped at 128 registers) and 3-bit keys (2 warps) hold 4."""
-    if key_bits == 8 or (key_bits == 4 and head_dim < 128):
-        return 2.0
-    return 4.0
+        return Tiling(64, 4, False, 128, 4.0) if head_dim >= 128 else Tiling(128, 4, False, None, 2.0)
+    return Tiling(64, 2, False, None, 4.0)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device,
@@ -465,16 +469,17 @@ def decode_attention_tq(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     tiling = default_tiling(lay.key_bits, d)
     if (block_n, num_warps, prefetch, maxnreg) == (None, None, None, None):
-        maxnreg = tiling[3]  # the register cap was tuned for the default tile only
-    block_n = tiling[0] if block_n is None else block_n
-    num_warps = tiling[1] if num_warps is None else num_warps
-    prefetch = tiling[2] if prefetch is None else prefetch
+        maxnreg = tiling.maxnreg  # the register cap was tuned for the default tile only
+    block_n = tiling.block_n if block_n is None else block_n
+    num_warps = tiling.num_warps if num_warps is None else num_warps
+    prefetch = tiling.prefetch if prefetch is None else prefetch
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group = hq // hkv
     page = cache.shape[1]
     if num_splits is None:
-        resident = resident_programs(lay.key_bits, d) if (block_n, num_warps) == tiling[:2] else 2.0
+        # another tile size or warp count: assume 2 resident programs, the default tilings' lower value
+        resident = tiling.programs_per_sm if (block_n, num_warps) == (tiling.block_n, tiling.num_warps) else 2.0
         num_splits = default_num_splits(bsz, hkv, block_tables.shape[1] * page, block_n, query.device, resident)
     if use_asm is None:
         use_asm = query.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"

@@ -31,16 +31,23 @@ from dataclasses import replace
 import torch
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import GEOMETRIES, time_calls
+from bench_decode import (
+    BLOCK_SIZE,
+    FORMATS,
+    GEOMETRIES,
+    build_case,
+    sdpa_call,
+    time_calls,
+)
 from kvpolicy.kernels.decode_attention import (
     DecodeConfig,
     choose_num_splits,
     decode_attention,
     default_config,
 )
-from kvpolicy.kernels.paged_store import allocate_cache, store_kv
 
 
 @triton.jit
@@ -79,31 +86,12 @@ def paged_read(kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, context
     return call
 
 
-def caches(geom, batch: int, context: int, page: int, dtype: torch.dtype, device) -> dict:
-    """One random K/V set of `dtype` in NHD and the same bytes in HND (a permuted view), one block table;
-    for BF16 also the contiguous [batch, kv_heads, context, head_dim] K/V that SDPA reads."""
-    blocks_per_seq = -(-context // page)
-    num_blocks = batch * blocks_per_seq
-    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).to(torch.int32)
-    shape = (num_blocks, page, geom.num_kv_heads, geom.head_dim)
-    nhd = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
-    pos = torch.arange(context, device=device)
-    slots = (tables.long()[:, pos // page] * page + pos % page).reshape(-1)
-    key = torch.randn(batch * context, geom.num_kv_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
-    value = torch.randn_like(key)
-    store_kv(key, value, nhd[0], nhd[1], slots, None, None)
-    sdpa = None
-    if dtype == torch.bfloat16:
-        sdpa = [x.view(batch, context, geom.num_kv_heads, geom.head_dim).transpose(1, 2).contiguous() for x in (key, value)]
-    del key, value
-    hnd = list(allocate_cache(num_blocks, page, geom.num_kv_heads, geom.head_dim,
-                              "fp8" if dtype == torch.float8_e4m3fn else "bfloat16", device, layout="HND"))
-    for h, c in zip(hnd, nhd):
-        h.copy_(c)
-    query = torch.randn(batch, geom.num_q_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    sinks = torch.randn(geom.num_q_heads, device=device) if geom.sinks else None
-    return dict(nhd=nhd, hnd=hnd, tables=tables, query=query, seq_lens=seq_lens, sinks=sinks, sdpa=sdpa)
+def caches(geom, batch: int, context: int, fp8: bool, device) -> dict:
+    """`bench_decode.build_case` with the format's NHD and HND rows (`caches["nhd"]`, `caches["hnd"]`: the
+    same K/V stored into both, one random block table); for BF16 also the contiguous K/V that SDPA reads."""
+    name = "fp8" if fp8 else "bf16"
+    rows = {"nhd": FORMATS[name], "hnd": FORMATS[name + "_hnd"]}
+    return build_case(geom, batch, context, rows, sdpa=not fp8, copies=1, device=device)
 
 
 def sweep_configs(head_dim: int, fp8: bool, device, swapped: bool = False, splits: bool = False) -> list[DecodeConfig]:
@@ -147,20 +135,22 @@ def timer(device: torch.device):
 
 def paged_rows(case: dict, geom, layout: str, context: int, fp8: bool, a: argparse.Namespace, device) -> list:
     """(label, call) of one layout: the read roofline, cuDNN (BF16, NHD), the default decode and the sweeps."""
-    kc, vc = case[layout]
+    cache, tables = case["caches"][layout], case["tables"][0]
+    kc, vc = cache["key_cache"], cache["value_cache"]
     batch = case["query"].shape[0]
     base = default_config(geom.head_dim, fp8, device)
     splits = choose_num_splits(batch, geom.num_kv_heads, context, base, device)
-    rows = [("read roofline (no math), default tiles", paged_read(kc, vc, case["tables"], context, splits, base.block_n))]
-    if case["sdpa"] is not None and layout == "nhd":
-        rows.append(("sdpa cudnn (contiguous bf16, enable_gqa)", _sdpa(case, geom)))
+    rows = [("read roofline (no math), default tiles", paged_read(kc, vc, tables, context, splits, base.block_n))]
+    if case["sd_k"] is not None and layout == "nhd":
+        rows.append(("sdpa cudnn (contiguous bf16, enable_gqa)", sdpa_call(case, geom, 0, SDPBackend.CUDNN_ATTENTION, "gqa")))
     cfgs = [("decode default " + _short(base), base, None)]
     if a.sweep:
         cfgs += [("decode " + _short(c), c, None) for c in sweep_configs(geom.head_dim, fp8, device, a.swapped, a.splits)]
     cfgs += [(f"decode splits={n}", base, n) for n in _ints(a.split_counts) if n * base.block_n <= context]
     for label, cfg, n in cfgs:
-        rows.append((label, functools.partial(decode_attention, case["query"], kc, vc, case["tables"], case["seq_lens"],
-                                              sinks=case["sinks"], config=cfg, fp8_query=a.fp8_query, num_splits=n)))
+        rows.append((label, functools.partial(decode_attention, case["query"], kc, vc, tables, case["seq_lens"],
+                                              k_scale=cache["k_scale"], v_scale=cache["v_scale"], sinks=case["sinks"],
+                                              config=cfg, fp8_query=a.fp8_query, num_splits=n)))
     return rows
 
 
@@ -185,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--batch", default="8,1")
-    ap.add_argument("--pages", default="16")
     ap.add_argument("--dtype", default="fp8", choices=["fp8", "bfloat16"], help="cache format")
     ap.add_argument("--geometries", default=",".join(GEOMETRIES))
     ap.add_argument("--sweep", action="store_true", help="also time sweep_configs() on each layout")
@@ -207,24 +196,23 @@ def main(argv: list[str] | None = None) -> int:
                                       _ints(a.split_counts), device, time_fn)
         _save(results)
         return 0
-    print(f"{'geometry':13} {'b':>2} {'ctx':>7} {'page':>4} {'layout':4} {'what':44} {'us':>8} {'TB/s':>6}")
+    print(f"{'geometry':13} {'b':>2} {'ctx':>7} {'layout':6} {'what':44} {'us':>8} {'TB/s':>6}")
     fp8 = a.dtype == "fp8"
     for gname in a.geometries.split(","):
         geom = GEOMETRIES[gname]
         for batch in _ints(a.batch):
             for context in _ints(a.contexts):
-                for page in _ints(a.pages):
-                    case = caches(geom, batch, context, page, torch.float8_e4m3fn if fp8 else torch.bfloat16, device)
-                    nbytes = 2 * batch * context * geom.num_kv_heads * geom.head_dim * (1 if fp8 else 2)
-                    ref = None
-                    for layout in a.layouts.split(","):
-                        timed, ref = measure(paged_rows(case, geom, layout, context, fp8, a, device), time_fn, ref)
-                        for label, us in timed:
-                            results.append(dict(geometry=gname, batch=batch, context=context, page=page, layout=layout,
-                                                what=label, us=us, tbps=nbytes / us / 1e6))
-                            print(f"{gname:13} {batch:>2} {context:>7} {page:>4} {layout:4} {label:44} {us:8.1f} "
-                                  f"{nbytes / us / 1e6:6.2f}", flush=True)
-                    del case
+                case = caches(geom, batch, context, fp8, device)
+                nbytes = 2 * batch * context * geom.num_kv_heads * geom.head_dim * (1 if fp8 else 2)
+                ref = None
+                for layout in a.layouts.split(","):
+                    timed, ref = measure(paged_rows(case, geom, layout, context, fp8, a, device), time_fn, ref)
+                    for label, us in timed:
+                        results.append(dict(geometry=gname, batch=batch, context=context, page=BLOCK_SIZE, layout=layout,
+                                            what=label, us=us, tbps=nbytes / us / 1e6))
+                        print(f"{gname:13} {batch:>2} {context:>7} {layout:6} {label:44} {us:8.1f} "
+                              f"{nbytes / us / 1e6:6.2f}", flush=True)
+                del case
     _save(results)
     return 0
 
@@ -245,8 +233,7 @@ def tq_split_sweep(fmt: str, geometries: list[str], batches: list[int], contexts
                    device, time_fn=time_calls) -> list[dict]:
     """decode_attention_tq at its default tiling and each split count in `counts` (and its own default)."""
     from kvpolicy.kernels.tq_decode import decode_attention_tq
-    from kvpolicy.kernels.tq_store import store_kv_tq
-    from kvpolicy.kernels.turboquant import allocate_tq_cache, tq_layout
+    from kvpolicy.kernels.turboquant import tq_layout
 
     results = []
     for gname in geometries:
@@ -254,17 +241,9 @@ def tq_split_sweep(fmt: str, geometries: list[str], batches: list[int], contexts
         slot = tq_layout(fmt, geom.head_dim).slot_bytes
         for batch in batches:
             for context in contexts:
-                pages = -(-context // 16)
-                tables = torch.randperm(batch * pages, device=device).view(batch, pages).to(torch.int32)
-                cache = allocate_tq_cache(batch * pages, 16, geom.num_kv_heads, geom.head_dim, fmt, device)
-                pos = torch.arange(context, device=device)
-                slots = (tables.long()[:, pos // 16] * 16 + pos % 16).reshape(-1)
-                key = torch.randn(batch * context, geom.num_kv_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
-                store_kv_tq(key, torch.randn_like(key), cache, slots, fmt)
-                del key
-                query = torch.randn(batch, geom.num_q_heads, geom.head_dim, device=device, dtype=torch.bfloat16)
-                seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-                sinks = torch.randn(geom.num_q_heads, device=device) if geom.sinks else None
+                case = build_case(geom, batch, context, {fmt: FORMATS[fmt]}, sdpa=False, copies=1, device=device)
+                cache, tables, query = case["caches"][fmt], case["tables"][0], case["query"]
+                seq_lens, sinks = case["seq_lens"], case["sinks"]
                 nbytes = batch * context * geom.num_kv_heads * slot
                 for n in [None, *counts]:
                     if n is not None and n * 64 > context:
@@ -275,20 +254,8 @@ def tq_split_sweep(fmt: str, geometries: list[str], batches: list[int], contexts
                     results.append(dict(geometry=gname, batch=batch, context=context, layout="nhd", what=label, us=us,
                                         tbps=nbytes / us / 1e6, format=fmt))
                     print(f"{gname:13} {batch:>2} {context:>7} {fmt:20} {label:24} {us:8.1f} {nbytes / us / 1e6:6.2f}", flush=True)
-                del cache
+                del case, cache
     return results
-
-
-def _sdpa(case: dict, geom):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    k, v = case["sdpa"]
-    q = case["query"].view(k.shape[0], geom.num_q_heads, 1, geom.head_dim)
-
-    def call():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    return call
 
 
 def _short(c: DecodeConfig) -> str:

@@ -188,6 +188,9 @@ FORMATS: dict[str, dict[str, Any]] = {
     # vLLM's FlashInfer layout (one KV head's page contiguous); the rows above are FlashAttention's NHD
     "bf16_hnd": _paged_row("bf16_hnd", "bfloat16", per_head_scales=False, layout="HND"),
     "fp8_hnd": _paged_row("fp8_hnd", "fp8", per_head_scales=True, layout="HND"),
+    # the Gluon kernel (kernels/decode_gluon.py: TMA pages, fp8 wgmma, e4m3 query), Hopper only
+    "fp8_gl": _paged_row("fp8_gl", "fp8", per_head_scales=True, fp8_query=True, kernel="gluon"),
+    "fp8_gl_hnd": _paged_row("fp8_gl_hnd", "fp8", per_head_scales=True, layout="HND", fp8_query=True, kernel="gluon"),
     **{fmt: _tq_row(fmt) for fmt in TQ_FORMATS},
 }
 SDPA_COLUMNS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}

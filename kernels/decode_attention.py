@@ -33,9 +33,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from kvpolicy.kernels.paged_store import check_scale, fp8_e4m3_bits
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = tl.constexpr(1.4426950408889634)
 P_SCALE = tl.constexpr(256.0)
@@ -133,7 +132,7 @@ def use_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -149,7 +148,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: D
 
 
 def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, programs_per_sm: float, device: torch.device,
-                min_tokens_per_split: int = 0) -> int:
+                min_tokens_per_split: int = 0, waves: tuple[int, ...] = (4, 2)) -> int:
     """Splits per sequence for programs of `tile` tokens of which `programs_per_sm` are resident per SM at once,
     from the block table's capacity (no host sync, graph-safe).
 
@@ -176,8 +175,8 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
         return 1  # the sequences alone fill a wave
     tiles = max(1, -(-max_context // tile))
     splits = _pow2_floor(resident // pairs)
-    for waves in (4, 2):
-        more = _pow2_floor(waves * resident // pairs)
+    for w in waves:
+        more = _pow2_floor(w * resident // pairs)
         programs = more * pairs
         # whole waves only: the last one at least 85% full, and every split >= 64 tiles
         if more > splits and tiles >= 64 * more and (programs % resident == 0 or programs % resident >= 0.85 * resident):
@@ -551,6 +550,22 @@ def _check_inputs(
             raise ValueError(f"{name}: on {t.device}, query is on {query.device}")
 
 
+def _gluon_applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, fp8_query: bool,
+                   config: DecodeConfig | None) -> tuple[bool, str]:
+    """Whether the Gluon kernel can take this call, and if not, why."""
+    if config is not None:
+        return False, "an explicit DecodeConfig is for the Triton kernel"
+    if query.device.type != "cuda" or _interpreting():
+        return False, "it needs a CUDA GPU (Gluon does not run under the interpreter)"
+    if not fp8_query or key_cache.dtype != torch.float8_e4m3fn:
+        return False, "it handles FP8 caches with fp8_query=True only"
+    try:
+        from kvpolicy.kernels import decode_gluon
+    except ImportError as exc:  # Gluon's API moves between Triton releases
+        return False, f"this Triton has no usable Gluon ({exc})"
+    return decode_gluon.supported(query, key_cache, value_cache)
+
+
 def decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -568,6 +583,7 @@ def decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    kernel: str = "triton",
 ) -> torch.Tensor:
     """Attention of one new token per sequence over a paged KV cache; returns [batch, num_q_heads, head_dim].
 
@@ -584,6 +600,9 @@ def decode_attention(
     uses the block table's capacity, not `seq_lens`, so the call needs no host
     sync and can be captured in a CUDA graph. `out` (query dtype or float32) is
     written in place and returned; otherwise a tensor of the query dtype is.
+    `kernel`: "triton" (this module, every case), "gluon" (`decode_gluon`, the Hopper
+    TMA/wgmma kernel: FP8 cache with `fp8_query`, 16-token pages, head_dim 64/128; an error
+    where it does not apply) or "auto" (gluon where it applies, else triton).
     """
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     batch, num_q_heads, head_dim = query.shape
@@ -604,6 +623,27 @@ def decode_attention(
         raise ValueError(f"out: expected {tuple(query.shape)} of {query.dtype} or float32 on {device}, got {out.dtype} {tuple(out.shape)}")
     if batch == 0:
         return out
+    if kernel not in ("triton", "gluon", "auto"):
+        raise ValueError(f"kernel must be 'triton', 'gluon' or 'auto', got {kernel!r}")
+    if kernel != "triton":
+        gluon_ok, why = _gluon_applies(query, key_cache, value_cache, fp8_query, config)
+        if gluon_ok:
+            from kvpolicy.kernels import decode_gluon
+
+            max_context = block_tables.shape[1] * page_size
+            if sliding_window is not None:
+                max_context = min(max_context, sliding_window + decode_gluon.BLOCK_N)
+            splits = num_splits if num_splits is not None else split_count(
+                batch, num_kv_heads, max_context, decode_gluon.BLOCK_N, decode_gluon.programs_per_sm(head_dim, device), device,
+                waves=(2,))
+            if splits < 1:
+                raise ValueError(f"num_splits must be >= 1, got {splits}")
+            return decode_gluon.decode_gluon(
+                query, key_cache, value_cache, block_tables, seq_lens, k_scale=k_scale, v_scale=v_scale,
+                k_stride=k_stride, v_stride=v_stride, sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
+                sliding_window=sliding_window, sinks=sinks, two_level=two_level, splits=splits, out=out)
+        if kernel == "gluon":
+            raise ValueError(f"kernel='gluon' does not apply here: {why}")
 
     cfg = config or default_config(head_dim, kv_fp8, device)
     if cfg.swap_ab and cfg.block_n % 64:

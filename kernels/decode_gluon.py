@@ -1,0 +1,381 @@
+"""Hopper FP8 paged decode in Gluon: TMA page copies and fp8 wgmma with tokens as M.
+
+Why a second kernel: the Triton kernel (`decode_attention.py`) reads FP8 KV at
+3.4-3.5 TB/s at 128k on an H200 against a 4.4 TB/s read roofline; it is bound by
+a per-tile dependency chain that Triton does not let us reshape (bench/NOTES.md
+v6-v7). Gluon exposes the pieces:
+- each 16-token page of K and V arrives by one TMA copy into a ring of stages
+  (mbarrier per stage), issued `STAGES - 1` tiles ahead, with the page ids one
+  tile further ahead, so no thread computes addresses or waits on the table;
+- S^T = K.Q^T is one fp8 wgmma with the tile's tokens as M (64) and the GQA
+  group as N (8 or 16): K goes from shared memory to the tensor cores untouched,
+  the query is quantised to e4m3 once per program (as `fp8_query=True` in the
+  Triton kernel);
+- V is converted e4m3 -> fp16 once per tile into shared memory, and
+  O^T = V^T.P^T is an fp16 wgmma (an fp8 wgmma needs V K-major, i.e. transposed);
+- per thread the state is tiny (S^T and O^T are [64, 8] and [head_dim, 8] over
+  128 threads), the denominator is kept per position and summed after the loop.
+
+Scope: FP8 (e4m3) caches with 16-token pages in vLLM's NHD layout or the HND
+layout, head_dim 64 or 128, GQA groups up to 16, sm_90 only; `decode_attention`
+routes here only when `fp8_query=True` and everything fits, and the results
+(partials and log-sum-exp) use the Triton kernel's merge. Gluon does not run
+under the interpreter: this kernel is tested on the GPU only
+(tests/kernels/test_decode_gluon.py), against the same float64 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+BLOCK_N = 64
+"""Tokens per tile: the wgmma M of S^T."""
+PAGE = 16
+"""Page size this kernel handles (vLLM's default block size)."""
+
+
+@gluon.jit
+def _page_ids(bt_row, tile, seq_len, pred, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
+    """The 4 physical pages of `tile` (page 0 past the sequence or when not `pred`: read, then masked)."""
+    base = tile * (BLOCK_N // PAGE)
+    p0 = gl.load(bt_row + base, mask=pred & (base * PAGE < seq_len), other=0)
+    p1 = gl.load(bt_row + base + 1, mask=pred & ((base + 1) * PAGE < seq_len), other=0)
+    p2 = gl.load(bt_row + base + 2, mask=pred & ((base + 2) * PAGE < seq_len), other=0)
+    p3 = gl.load(bt_row + base + 3, mask=pred & ((base + 3) * PAGE < seq_len), other=0)
+    return p0, p1, p2, p3
+
+
+@gluon.jit
+def _issue_tile(k_desc, v_desc, k_bufs, v_bufs, bars, stage, p0, p1, p2, p3, head_row, head_col, pred,
+                PAGE_ROWS: gl.constexpr, PAGE: gl.constexpr, TILE_BYTES: gl.constexpr):
+    """TMA the K and V pages of one tile into `stage`; its mbarrier completes when all 8 copies land."""
+    bar = bars.index(stage)
+    mbarrier.expect(bar, TILE_BYTES, pred=pred)
+    kb = k_bufs.index(stage)
+    vb = v_bufs.index(stage)
+    r0 = p0 * PAGE_ROWS + head_row
+    r1 = p1 * PAGE_ROWS + head_row
+    r2 = p2 * PAGE_ROWS + head_row
+    r3 = p3 * PAGE_ROWS + head_row
+    tma.async_copy_global_to_shared(k_desc, [r0, head_col], bar, kb.slice(0, PAGE), pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [r1, head_col], bar, kb.slice(PAGE, PAGE), pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [r2, head_col], bar, kb.slice(2 * PAGE, PAGE), pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [r3, head_col], bar, kb.slice(3 * PAGE, PAGE), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [r0, head_col], bar, vb.slice(0, PAGE), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [r1, head_col], bar, vb.slice(PAGE, PAGE), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [r2, head_col], bar, vb.slice(2 * PAGE, PAGE), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [r3, head_col], bar, vb.slice(3 * PAGE, PAGE), pred=pred)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_bufs, v_bufs, full, empty, bt_row, seq_len, tile_lo, n_tiles, head_row, head_col,
+              PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr, TILE_BYTES: gl.constexpr):
+    """One warp: page ids one tile ahead, then the tile's 8 TMA copies once the consumer freed its stage."""
+    c0, c1, c2, c3 = _page_ids(bt_row, tile_lo, seq_len, n_tiles > 0, 64, 16)
+    for i in range(n_tiles):
+        stage = i % STAGES
+        # A fresh mbarrier passes a wait on the phase before its first: the first STAGES tiles go straight out.
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        _issue_tile(k_desc, v_desc, k_bufs, v_bufs, full, stage, c0, c1, c2, c3, head_row, head_col, True,
+                    PAGE_ROWS, 16, TILE_BYTES)
+        c0, c1, c2, c3 = _page_ids(bt_row, tile_lo + i + 1, seq_len, i + 1 < n_tiles, 64, 16)
+
+
+@gluon.jit
+def _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale, seq_len, start, tile_lo,
+                 m_i, l_part, acc, NH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 TWO_LEVEL: gl.constexpr, EDGE: gl.constexpr):
+    """Tile i of the program's range: scores, online softmax, P.V; returns the updated (m_i, l_part, acc).
+    EDGE: the tile reaches outside [start, seq_len) (the compiled copy for the few edge tiles keeps the
+    masks out of the loop's common path)."""
+    BN: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+    # 16 bytes per thread along head_dim when reading the e4m3 V tile for its conversion
+    cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16], [4, 1], [1, 0])
+
+    stage = i % STAGES
+    tile_start = (tile_lo + i) * BN
+    mbarrier.wait(full.index(stage), (i // STAGES) & 1)
+    kb = k_bufs.index(stage)
+    s = warpgroup_mma(kb, q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, layout=s_layout), use_acc=False,
+                      is_async=True)
+    # Every warp is past the previous tile's P.V (its wait): V16 may be rewritten. V's conversion
+    # overlaps the score MMA.
+    gl.thread_barrier()
+    v16 = v_bufs.index(stage).load(cvt_layout).to(gl.float16)
+    if EDGE:
+        # Pages hold other data (or NaN) outside [start, seq_len), and a zero weight times NaN is NaN
+        # in the MMA, so those rows of V are zeroed, not just weighted 0.
+        pos_v = tile_start + gl.arange(0, BN, layout=gl.SliceLayout(1, cvt_layout))
+        v16 = gl.where(((pos_v < seq_len) & (pos_v >= start))[:, None], v16, 0.0)
+    v16_smem.store(v16)
+    s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, kb, q_smem))
+
+    s = s * qk_scale
+    if EDGE:
+        pos = tile_start + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+        s = gl.where(((pos < seq_len) & (pos >= start))[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 0))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[None, :])
+    l_part = l_part * alpha[None, :] + p
+    p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    # K and V of this stage are consumed (K by the finished score MMA, V into V16): release it.
+    mbarrier.arrive(empty.index(stage))
+
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))
+    if TWO_LEVEL:
+        pv = warpgroup_mma(v16_smem.permute((1, 0)), p_smem.permute((1, 0)),
+                           gl.zeros([HEAD_DIM, NH], gl.float32, layout=o_layout), use_acc=False, is_async=True)
+        pv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, v16_smem, p_smem))
+        acc = acc * alpha_o[None, :] + pv
+    else:
+        acc = warpgroup_mma(v16_smem.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha_o[None, :], is_async=True)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v16_smem, p_smem))
+    return m_new, l_part, acc
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale, seq_len, start, tile_lo, n_tiles,
+              NH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr):
+    """The default partition (one warpgroup): every tile of the program's range; returns the running
+    max, the per-position denominators and O^T."""
+    BN: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+    m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
+    l_part = gl.zeros([BN, NH], gl.float32, layout=s_layout)
+    acc = gl.zeros([HEAD_DIM, NH], gl.float32, layout=o_layout)
+    for i in range(n_tiles):
+        tile_start = (tile_lo + i) * BN
+        if (tile_start < start) | (tile_start + BN > seq_len):
+            m_i, l_part, acc = _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale,
+                                            seq_len, start, tile_lo, m_i, l_part, acc, NH, HEAD_DIM, STAGES,
+                                            TWO_LEVEL, True)
+        else:
+            m_i, l_part, acc = _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale,
+                                            seq_len, start, tile_lo, m_i, l_part, acc, NH, HEAD_DIM, STAGES,
+                                            TWO_LEVEL, False)
+    return m_i, l_part, acc
+
+
+@gluon.jit
+def _decode_gluon_kernel(
+    q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr,
+    k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    sm_scale, window, num_splits,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+    GROUP: gl.constexpr,
+    NH: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    PAGE_ROWS: gl.constexpr,
+    HEAD_ROWS: gl.constexpr,
+    HEAD_COLS: gl.constexpr,
+    STAGES: gl.constexpr,
+    HAS_K_SCALE: gl.constexpr,
+    HAS_V_SCALE: gl.constexpr,
+    K_SCALE_STRIDE: gl.constexpr,
+    V_SCALE_STRIDE: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
+    IS_SPLIT: gl.constexpr,
+    TWO_LEVEL: gl.constexpr,
+):
+    BN: gl.constexpr = 64
+    TILE_BYTES: gl.constexpr = 2 * BN * HEAD_DIM
+    kv_head = gl.program_id(0)
+    split = gl.program_id(1)
+    seq = gl.program_id(2)
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+
+    kv_smem_layout: gl.constexpr = k_desc.layout
+    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, HEAD_DIM], kv_smem_layout)
+    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, HEAD_DIM], kv_smem_layout)
+    v16_smem = gl.allocate_shared_memory(gl.float16, [BN, HEAD_DIM],
+                                         gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.float16))
+    p_smem = gl.allocate_shared_memory(gl.float16, [NH, BN], gl.NVMMASharedLayout.get_default_for([NH, BN], gl.float16))
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [NH, HEAD_DIM],
+                                       gl.NVMMASharedLayout.get_default_for([NH, HEAD_DIM], gl.float8e4nv))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    seq_len = gl.load(seq_lens_ptr + seq)
+    start = 0
+    if HAS_WINDOW:
+        start = gl.maximum(seq_len - window, 0)
+    first_tile = start // BN
+    end_tile = (seq_len + BN - 1) // BN
+    tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = gl.minimum(tile_lo + tiles_per_split, end_tile)
+    n_tiles = gl.maximum(tile_hi - tile_lo, 0)
+
+    # The GQA group's query, quantised to e4m3 with one scale per program.
+    offs_qh = gl.arange(0, NH, layout=gl.SliceLayout(1, q_layout))
+    offs_qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    q = gl.load(q_ptr + seq * stride_qb + (kv_head * GROUP + offs_qh)[:, None] * stride_qh + offs_qd[None, :],
+                mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32)
+    q_scale = gl.maximum(gl.max(gl.max(gl.abs(q), 1), 0) / 448.0, 1e-30)
+    q_smem.store((q / q_scale).to(gl.float8e4nv))
+    qk_scale = sm_scale * LOG2E * q_scale
+    if HAS_K_SCALE:
+        qk_scale = qk_scale * gl.load(k_scale_ptr + kv_head * K_SCALE_STRIDE)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    bt_row = block_tables_ptr + seq * stride_bt
+    m_i, l_part, acc = gl.warp_specialize(
+        [(_consumer, (q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale, seq_len, start, tile_lo,
+                      n_tiles, NH, HEAD_DIM, STAGES, TWO_LEVEL)),
+         (_producer, (k_desc, v_desc, k_bufs, v_bufs, full, empty, bt_row, seq_len, tile_lo, n_tiles,
+                      kv_head * HEAD_ROWS, kv_head * HEAD_COLS, PAGE_ROWS, STAGES, TILE_BYTES))],
+        [1], [40])
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(full.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+    l_i = gl.convert_layout(gl.sum(l_part, 0), gl.SliceLayout(0, o_layout))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(0, o_layout))
+    out_scale = 1.0
+    if HAS_V_SCALE:
+        out_scale = gl.load(v_scale_ptr + kv_head * V_SCALE_STRIDE)
+    offs_h = gl.arange(0, NH, layout=gl.SliceLayout(0, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, o_layout))
+    h_mask = offs_h < GROUP
+    q_head = kv_head * GROUP + offs_h
+    if IS_SPLIT:
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        lse = m_o + gl.log2(l_i)  # -inf for an empty split: the merge gives it weight 0
+        gl.store(part_lse_ptr + seq * stride_pb + q_head * stride_ph + split * stride_ps, lse, mask=h_mask)
+        part = part_out_ptr + seq * stride_pb * HEAD_DIM + split * stride_ps * HEAD_DIM
+        o = acc * (out_scale / l_safe)[None, :]
+        gl.store(part + (q_head * stride_ph * HEAD_DIM)[None, :] + offs_d[:, None], o, mask=h_mask[None, :])
+    else:
+        if HAS_SINKS:
+            # The sink logit joins the denominator only.
+            sink = gl.load(sinks_ptr + q_head, mask=h_mask, other=0.0) * LOG2E
+            m_fin = gl.maximum(m_o, sink)
+            corr = gl.exp2(m_o - m_fin)
+            l_i = l_i * corr + gl.exp2(sink - m_fin)
+            acc = acc * corr[None, :]
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        o = acc * (out_scale / l_safe)[None, :]
+        gl.store(out_ptr + seq * stride_ob + (q_head * stride_oh)[None, :] + offs_d[:, None],
+                 o.to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
+
+
+def cache_descriptor(cache: torch.Tensor) -> tuple[TensorDescriptor, int, int, int] | None:
+    """A 2-D TMA descriptor over an FP8 paged cache with one page of one head per box, and the
+    (rows per page, rows per head, columns per head) that address a (page, head) in it; None when
+    the cache is neither vLLM's contiguous NHD [blocks, 16, heads, D] nor the HND view of
+    [blocks, heads, 16, D]."""
+    nb, page, heads, d = cache.shape
+    if page != PAGE or d not in (64, 128) or cache.dtype != torch.float8_e4m3fn or cache.data_ptr() % 16:
+        return None
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.float8e4nv)
+    if cache.stride() == (page * heads * d, heads * d, d, 1):  # NHD: a row is a token, a head is a column block
+        return TensorDescriptor(cache, [nb * page, heads * d], [heads * d, 1], [PAGE, d], layout), PAGE, 0, d
+    if cache.stride() == (heads * page * d, d, page * d, 1):  # HND: a row is (block, head, token)
+        return TensorDescriptor(cache, [nb * heads * page, d], [d, 1], [PAGE, d], layout), heads * PAGE, PAGE, 0
+    return None
+
+
+def supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[bool, str]:
+    """Whether `decode_gluon` handles this call, and if not, why (the caller may fall back to Triton)."""
+    if torch.cuda.get_device_capability(query.device) != (9, 0):
+        return False, "it is written for sm_90 (Hopper)"
+    if query.shape[1] // key_cache.shape[2] > 16:
+        return False, "GQA groups above 16 query heads per KV head"
+    if key_cache.stride() != value_cache.stride() or cache_descriptor(key_cache) is None:
+        return False, "it needs 16-token pages, head_dim 64 or 128, and a contiguous NHD cache or the HND view"
+    return True, ""
+
+
+STAGES = 4
+"""K/V tiles in flight per program (the ring of TMA stages). Swept 2-4 on an H200 (bench/probe_gluon.py,
+bench/results_probe_gluon_h200.json): 4 was fastest at both head_dims, e.g. Llama layer, batch 8, 128k:
+502 us at 4 stages, 516 at 3, 546 at 2 (best split count of each)."""
+MAXNREG = 128
+"""Registers per thread over the program's 5 warps (the producer warp gives most of its share to the
+consumer warpgroup): 3 programs of 160 threads fit an SM's 64K registers; 96 (4 programs) measured no
+faster, since shared memory holds 2 (head_dim 128) or 5 (64) programs at 4 stages."""
+
+
+def smem_bytes(head_dim: int, stages: int = STAGES, group: int = 8) -> int:
+    """Shared memory of one program: the e4m3 K and V stages, the fp16 V tile, P, the query, the mbarriers
+    and the compiler's scratch (the sm_90 compile measured 67,772 B at head_dim 128 and 34,492 B at 64)."""
+    nh = max(8, triton.next_power_of_2(group))
+    return stages * 2 * BLOCK_N * head_dim + BLOCK_N * head_dim * 2 + nh * BLOCK_N * 2 + nh * head_dim + 2 * stages * 8 + 1024
+
+
+def programs_per_sm(head_dim: int, device: torch.device, stages: int = STAGES, maxnreg: int = MAXNREG) -> int:
+    """Programs resident per SM (registers and shared memory): on an H200 at 4 stages, 2 at head_dim 128
+    (shared memory) and 3 at 64 (registers)."""
+    from kvpolicy.kernels.decode_attention import resident_programs
+
+    return resident_programs(maxnreg, smem_bytes(head_dim, stages), 5, device)
+
+
+def decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, *, k_scale, v_scale, k_stride, v_stride,
+                 sm_scale: float, sliding_window: int | None, sinks, two_level: bool, splits: int,
+                 out: torch.Tensor, stages: int = STAGES, maxnreg: int = MAXNREG) -> torch.Tensor:
+    """Run the Gluon kernel (and the Triton merge when split); inputs already validated by `decode_attention`."""
+    from kvpolicy.kernels.decode_attention import _decode_merge_kernel
+
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    k_desc, page_rows, head_rows, head_cols = cache_descriptor(key_cache)
+    v_desc, *_ = cache_descriptor(value_cache)
+    is_split = splits > 1
+    device = query.device
+    if is_split:
+        part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
+        part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=device)
+    else:
+        part_out = part_lse = out
+    dummy = seq_lens
+    _decode_gluon_kernel[(num_kv_heads, splits, batch)](
+        query, k_desc, v_desc, block_tables, seq_lens,
+        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
+        sinks if sinks is not None else dummy, out, part_out, part_lse,
+        float(sm_scale), int(sliding_window or 0), splits,
+        query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        num_q_heads * splits, splits, 1,
+        GROUP=group, NH=max(8, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE_ROWS=page_rows, HEAD_ROWS=head_rows, HEAD_COLS=head_cols, STAGES=stages,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
+        K_SCALE_STRIDE=k_stride, V_SCALE_STRIDE=v_stride,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and not is_split,
+        IS_SPLIT=is_split, TWO_LEVEL=two_level,
+        num_warps=4, maxnreg=maxnreg,
+    )
+    if is_split:
+        _decode_merge_kernel[(num_q_heads, batch)](
+            part_out, part_lse, sinks if sinks is not None else dummy, out,
+            splits, num_q_heads * splits, splits, 1, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), HAS_SINKS=sinks is not None,
+            PDL=False, num_warps=4,
+        )
+    return out

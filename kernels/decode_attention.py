@@ -630,18 +630,19 @@ def decode_attention(
         if gluon_ok:
             from kvpolicy.kernels import decode_gluon
 
+            gcfg = decode_gluon.default_gluon_config(head_dim)
             max_context = block_tables.shape[1] * page_size
             if sliding_window is not None:
-                max_context = min(max_context, sliding_window + decode_gluon.BLOCK_N)
+                max_context = min(max_context, sliding_window + gcfg.block_n)
             splits = num_splits if num_splits is not None else split_count(
-                batch, num_kv_heads, max_context, decode_gluon.BLOCK_N, decode_gluon.programs_per_sm(head_dim, device), device,
+                batch, num_kv_heads, max_context, gcfg.block_n, decode_gluon.programs_per_sm(head_dim, device, gcfg), device,
                 waves=(2,))
             if splits < 1:
                 raise ValueError(f"num_splits must be >= 1, got {splits}")
             return decode_gluon.decode_gluon(
                 query, key_cache, value_cache, block_tables, seq_lens, k_scale=k_scale, v_scale=v_scale,
                 k_stride=k_stride, v_stride=v_stride, sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
-                sliding_window=sliding_window, sinks=sinks, two_level=two_level, splits=splits, out=out)
+                sliding_window=sliding_window, sinks=sinks, two_level=two_level, splits=splits, out=out, config=gcfg)
         if kernel == "gluon":
             raise ValueError(f"kernel='gluon' does not apply here: {why}")
 

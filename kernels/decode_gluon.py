@@ -26,6 +26,8 @@ under the interpreter: this kernel is tested on the GPU only
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -40,67 +42,74 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
-BLOCK_N = 64
-"""Tokens per tile: the wgmma M of S^T."""
 PAGE = 16
 """Page size this kernel handles (vLLM's default block size)."""
 
 
 @gluon.jit
-def _page_ids(bt_row, tile, seq_len, pred, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
-    """The 4 physical pages of `tile` (page 0 past the sequence or when not `pred`: read, then masked)."""
-    base = tile * (BLOCK_N // PAGE)
-    p0 = gl.load(bt_row + base, mask=pred & (base * PAGE < seq_len), other=0)
-    p1 = gl.load(bt_row + base + 1, mask=pred & ((base + 1) * PAGE < seq_len), other=0)
-    p2 = gl.load(bt_row + base + 2, mask=pred & ((base + 2) * PAGE < seq_len), other=0)
-    p3 = gl.load(bt_row + base + 3, mask=pred & ((base + 3) * PAGE < seq_len), other=0)
+def _page_ids(bt_row, first_page, seq_len, pred, PAGE: gl.constexpr):
+    """Physical ids of 4 consecutive pages of a sequence (page 0 past its end or when not `pred`:
+    copied, then masked)."""
+    p0 = gl.load(bt_row + first_page, mask=pred & (first_page * PAGE < seq_len), other=0)
+    p1 = gl.load(bt_row + first_page + 1, mask=pred & ((first_page + 1) * PAGE < seq_len), other=0)
+    p2 = gl.load(bt_row + first_page + 2, mask=pred & ((first_page + 2) * PAGE < seq_len), other=0)
+    p3 = gl.load(bt_row + first_page + 3, mask=pred & ((first_page + 3) * PAGE < seq_len), other=0)
     return p0, p1, p2, p3
 
 
 @gluon.jit
-def _issue_tile(k_desc, v_desc, k_bufs, v_bufs, bars, stage, p0, p1, p2, p3, head_row, head_col, pred,
-                PAGE_ROWS: gl.constexpr, PAGE: gl.constexpr, TILE_BYTES: gl.constexpr):
-    """TMA the K and V pages of one tile into `stage`; its mbarrier completes when all 8 copies land."""
-    bar = bars.index(stage)
-    mbarrier.expect(bar, TILE_BYTES, pred=pred)
-    kb = k_bufs.index(stage)
-    vb = v_bufs.index(stage)
+def _issue_pages(k_desc, v_desc, kb, vb, bar, row, p0, p1, p2, p3, head_row, head_col,
+                 PAGE_ROWS: gl.constexpr, PAGE: gl.constexpr):
+    """TMA 4 pages of K and V into rows row..row+63 of a stage."""
     r0 = p0 * PAGE_ROWS + head_row
     r1 = p1 * PAGE_ROWS + head_row
     r2 = p2 * PAGE_ROWS + head_row
     r3 = p3 * PAGE_ROWS + head_row
-    tma.async_copy_global_to_shared(k_desc, [r0, head_col], bar, kb.slice(0, PAGE), pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [r1, head_col], bar, kb.slice(PAGE, PAGE), pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [r2, head_col], bar, kb.slice(2 * PAGE, PAGE), pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [r3, head_col], bar, kb.slice(3 * PAGE, PAGE), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [r0, head_col], bar, vb.slice(0, PAGE), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [r1, head_col], bar, vb.slice(PAGE, PAGE), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [r2, head_col], bar, vb.slice(2 * PAGE, PAGE), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [r3, head_col], bar, vb.slice(3 * PAGE, PAGE), pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [r0, head_col], bar, kb.slice(row, PAGE))
+    tma.async_copy_global_to_shared(k_desc, [r1, head_col], bar, kb.slice(row + PAGE, PAGE))
+    tma.async_copy_global_to_shared(k_desc, [r2, head_col], bar, kb.slice(row + 2 * PAGE, PAGE))
+    tma.async_copy_global_to_shared(k_desc, [r3, head_col], bar, kb.slice(row + 3 * PAGE, PAGE))
+    tma.async_copy_global_to_shared(v_desc, [r0, head_col], bar, vb.slice(row, PAGE))
+    tma.async_copy_global_to_shared(v_desc, [r1, head_col], bar, vb.slice(row + PAGE, PAGE))
+    tma.async_copy_global_to_shared(v_desc, [r2, head_col], bar, vb.slice(row + 2 * PAGE, PAGE))
+    tma.async_copy_global_to_shared(v_desc, [r3, head_col], bar, vb.slice(row + 3 * PAGE, PAGE))
 
 
 @gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, full, empty, bt_row, seq_len, tile_lo, n_tiles, head_row, head_col,
-              PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr, TILE_BYTES: gl.constexpr):
-    """One warp: page ids one tile ahead, then the tile's 8 TMA copies once the consumer freed its stage."""
-    c0, c1, c2, c3 = _page_ids(bt_row, tile_lo, seq_len, n_tiles > 0, 64, 16)
+              PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """One warp: each tile's page ids one tile ahead, then its TMA copies (one per 16-token page of K
+    and of V) once the consumer has freed the tile's stage."""
+    PG: gl.constexpr = 16
+    PAGES: gl.constexpr = BN // PG
+    a0, a1, a2, a3 = _page_ids(bt_row, tile_lo * PAGES, seq_len, n_tiles > 0, PG)
+    b0, b1, b2, b3 = a0, a1, a2, a3
+    if BN == 128:
+        b0, b1, b2, b3 = _page_ids(bt_row, tile_lo * PAGES + 4, seq_len, n_tiles > 0, PG)
     for i in range(n_tiles):
         stage = i % STAGES
         # A fresh mbarrier passes a wait on the phase before its first: the first STAGES tiles go straight out.
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
-        _issue_tile(k_desc, v_desc, k_bufs, v_bufs, full, stage, c0, c1, c2, c3, head_row, head_col, True,
-                    PAGE_ROWS, 16, TILE_BYTES)
-        c0, c1, c2, c3 = _page_ids(bt_row, tile_lo + i + 1, seq_len, i + 1 < n_tiles, 64, 16)
+        bar = full.index(stage)
+        mbarrier.expect(bar, 2 * BN * HEAD_DIM)
+        kb = k_bufs.index(stage)
+        vb = v_bufs.index(stage)
+        _issue_pages(k_desc, v_desc, kb, vb, bar, 0, a0, a1, a2, a3, head_row, head_col, PAGE_ROWS, PG)
+        if BN == 128:
+            _issue_pages(k_desc, v_desc, kb, vb, bar, 64, b0, b1, b2, b3, head_row, head_col, PAGE_ROWS, PG)
+        nxt = (tile_lo + i + 1) * PAGES
+        a0, a1, a2, a3 = _page_ids(bt_row, nxt, seq_len, i + 1 < n_tiles, PG)
+        if BN == 128:
+            b0, b1, b2, b3 = _page_ids(bt_row, nxt + 4, seq_len, i + 1 < n_tiles, PG)
 
 
 @gluon.jit
 def _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale, seq_len, start, tile_lo,
                  m_i, l_part, acc, NH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                 TWO_LEVEL: gl.constexpr, EDGE: gl.constexpr):
+                 TWO_LEVEL: gl.constexpr, EDGE: gl.constexpr, BN: gl.constexpr):
     """Tile i of the program's range: scores, online softmax, P.V; returns the updated (m_i, l_part, acc).
     EDGE: the tile reaches outside [start, seq_len) (the compiled copy for the few edge tiles keeps the
     masks out of the loop's common path)."""
-    BN: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
     # 16 bytes per thread along head_dim when reading the e4m3 V tile for its conversion
@@ -153,10 +162,10 @@ def _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_sc
 
 @gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale, seq_len, start, tile_lo, n_tiles,
-              NH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr):
+              NH: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr,
+              BN: gl.constexpr):
     """The default partition (one warpgroup): every tile of the program's range; returns the running
     max, the per-position denominators and O^T."""
-    BN: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
     m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
@@ -167,11 +176,11 @@ def _consumer(q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale, s
         if (tile_start < start) | (tile_start + BN > seq_len):
             m_i, l_part, acc = _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale,
                                             seq_len, start, tile_lo, m_i, l_part, acc, NH, HEAD_DIM, STAGES,
-                                            TWO_LEVEL, True)
+                                            TWO_LEVEL, True, BN)
         else:
             m_i, l_part, acc = _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale,
                                             seq_len, start, tile_lo, m_i, l_part, acc, NH, HEAD_DIM, STAGES,
-                                            TWO_LEVEL, False)
+                                            TWO_LEVEL, False, BN)
     return m_i, l_part, acc
 
 
@@ -196,9 +205,8 @@ def _decode_gluon_kernel(
     HAS_SINKS: gl.constexpr,
     IS_SPLIT: gl.constexpr,
     TWO_LEVEL: gl.constexpr,
+    BN: gl.constexpr,
 ):
-    BN: gl.constexpr = 64
-    TILE_BYTES: gl.constexpr = 2 * BN * HEAD_DIM
     kv_head = gl.program_id(0)
     split = gl.program_id(1)
     seq = gl.program_id(2)
@@ -246,9 +254,9 @@ def _decode_gluon_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
     m_i, l_part, acc = gl.warp_specialize(
         [(_consumer, (q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_scale, seq_len, start, tile_lo,
-                      n_tiles, NH, HEAD_DIM, STAGES, TWO_LEVEL)),
+                      n_tiles, NH, HEAD_DIM, STAGES, TWO_LEVEL, BN)),
          (_producer, (k_desc, v_desc, k_bufs, v_bufs, full, empty, bt_row, seq_len, tile_lo, n_tiles,
-                      kv_head * HEAD_ROWS, kv_head * HEAD_COLS, PAGE_ROWS, STAGES, TILE_BYTES))],
+                      kv_head * HEAD_ROWS, kv_head * HEAD_COLS, PAGE_ROWS, STAGES, BN, HEAD_DIM))],
         [1], [40])
 
     for i in gl.static_range(STAGES):
@@ -293,7 +301,7 @@ def cache_descriptor(cache: torch.Tensor) -> tuple[TensorDescriptor, int, int, i
     nb, page, heads, d = cache.shape
     if page != PAGE or d not in (64, 128) or cache.dtype != torch.float8_e4m3fn or cache.data_ptr() % 16:
         return None
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.float8e4nv)
+    layout = gl.NVMMASharedLayout.get_default_for([PAGE, d], gl.float8e4nv)
     if cache.stride() == (page * heads * d, heads * d, d, 1):  # NHD: a row is a token, a head is a column block
         return TensorDescriptor(cache, [nb * page, heads * d], [heads * d, 1], [PAGE, d], layout), PAGE, 0, d
     if cache.stride() == (heads * page * d, d, page * d, 1):  # HND: a row is (block, head, token)
@@ -312,38 +320,61 @@ def supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     return True, ""
 
 
-STAGES = 4
-"""K/V tiles in flight per program (the ring of TMA stages). Swept 2-4 on an H200 (bench/probe_gluon.py,
-bench/results_probe_gluon_h200.json): 4 was fastest at both head_dims, e.g. Llama layer, batch 8, 128k:
-502 us at 4 stages, 516 at 3, 546 at 2 (best split count of each)."""
-MAXNREG = 128
-"""Registers per thread over the program's 5 warps (the producer warp gives most of its share to the
-consumer warpgroup): 3 programs of 160 threads fit an SM's 64K registers; 96 (4 programs) measured no
-faster, since shared memory holds 2 (head_dim 128) or 5 (64) programs at 4 stages."""
+@dataclass(frozen=True)
+class GluonConfig:
+    """Launch configuration of the Gluon kernel; `default_gluon_config` picks one."""
+
+    block_n: int = 64
+    """Tokens per tile (64 or 128): the M of the score MMA, 4 or 8 pages per TMA batch."""
+    stages: int = 4
+    """K/V tiles in flight per program (the ring of TMA stages)."""
+    maxnreg: int = 128
+    """Registers per thread over the program's 5 warps (the producer warp hands most of its share to the
+    consumer warpgroup): 3 programs of 160 threads fit an SM's 64K registers."""
 
 
-def smem_bytes(head_dim: int, stages: int = STAGES, group: int = 8) -> int:
+def default_gluon_config(head_dim: int) -> GluonConfig:
+    """The fastest of 64/128-token tiles x 2-4 stages x 3 split counts on an H200 (bench/probe_gluon.py,
+    bench/results_probe_gluon_tiles_h200.json; NOTES.md v8), at 16k and 128k, batch 1 and 8:
+    - head_dim 128: 128-token tiles, 2 stages (2 programs per SM by shared memory): Llama layer, batch 8,
+      128k, NHD 498 us against 501 for 64-token tiles at 4 stages; batch 1 70.9 against 72.7 us;
+    - head_dim 64: 128-token tiles, 3 stages (3 programs per SM by registers): gpt-oss layer, batch 8,
+      128k, NHD 258 us against 318 for 64-token tiles at 4 stages; batch 1 40.9 against 45.8 us.
+    The per-tile fixed cost (mbarrier waits, the cross-warp max, two CTA barriers) is what the bigger
+    tile halves; at head_dim 64 a 64-token tile moves only 8 KB."""
+    if head_dim <= 64:
+        return GluonConfig(block_n=128, stages=3)
+    return GluonConfig(block_n=128, stages=2)
+
+
+def smem_bytes(head_dim: int, cfg: GluonConfig, group: int = 8) -> int:
     """Shared memory of one program: the e4m3 K and V stages, the fp16 V tile, P, the query, the mbarriers
-    and the compiler's scratch (the sm_90 compile measured 67,772 B at head_dim 128 and 34,492 B at 64)."""
+    and 1 KB for the compiler's scratch (the sm_90 compile measured, at 64-token tiles and 4 stages,
+    84,164 B at head_dim 128 and 42,692 B at 64, where this formula gives 85,056 and 43,584; at 128-token
+    tiles and 2 stages 101,540 B at 128 and 51,876 B at 64, formula 102,432 and 52,768)."""
     nh = max(8, triton.next_power_of_2(group))
-    return stages * 2 * BLOCK_N * head_dim + BLOCK_N * head_dim * 2 + nh * BLOCK_N * 2 + nh * head_dim + 2 * stages * 8 + 1024
+    bn = cfg.block_n
+    return cfg.stages * 2 * bn * head_dim + bn * head_dim * 2 + nh * bn * 2 + nh * head_dim + 2 * cfg.stages * 8 + 1024
 
 
-def programs_per_sm(head_dim: int, device: torch.device, stages: int = STAGES, maxnreg: int = MAXNREG) -> int:
-    """Programs resident per SM (registers and shared memory): on an H200 at 4 stages, 2 at head_dim 128
-    (shared memory) and 3 at 64 (registers)."""
+def programs_per_sm(head_dim: int, device: torch.device, cfg: GluonConfig) -> int:
+    """Programs resident per SM (registers and shared memory): on an H200 at the default configs, 2 at
+    head_dim 128 (shared memory) and 3 at 64 (registers and shared memory)."""
     from kvpolicy.kernels.decode_attention import resident_programs
 
-    return resident_programs(maxnreg, smem_bytes(head_dim, stages), 5, device)
+    return resident_programs(cfg.maxnreg, smem_bytes(head_dim, cfg), 5, device)
 
 
 def decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, *, k_scale, v_scale, k_stride, v_stride,
                  sm_scale: float, sliding_window: int | None, sinks, two_level: bool, splits: int,
-                 out: torch.Tensor, stages: int = STAGES, maxnreg: int = MAXNREG) -> torch.Tensor:
+                 out: torch.Tensor, config: GluonConfig | None = None) -> torch.Tensor:
     """Run the Gluon kernel (and the Triton merge when split); inputs already validated by `decode_attention`."""
     from kvpolicy.kernels.decode_attention import _decode_merge_kernel
 
     batch, num_q_heads, head_dim = query.shape
+    cfg = config or default_gluon_config(head_dim)
+    if cfg.block_n not in (64, 128) or cfg.stages < 2:
+        raise ValueError(f"GluonConfig: block_n must be 64 or 128 and stages >= 2, got {cfg}")
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     k_desc, page_rows, head_rows, head_cols = cache_descriptor(key_cache)
@@ -364,12 +395,12 @@ def decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, *, k_sca
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         num_q_heads * splits, splits, 1,
         GROUP=group, NH=max(8, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_ROWS=page_rows, HEAD_ROWS=head_rows, HEAD_COLS=head_cols, STAGES=stages,
+        PAGE_ROWS=page_rows, HEAD_ROWS=head_rows, HEAD_COLS=head_cols, STAGES=cfg.stages,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         K_SCALE_STRIDE=k_stride, V_SCALE_STRIDE=v_stride,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and not is_split,
-        IS_SPLIT=is_split, TWO_LEVEL=two_level,
-        num_warps=4, maxnreg=maxnreg,
+        IS_SPLIT=is_split, TWO_LEVEL=two_level, BN=cfg.block_n,
+        num_warps=4, maxnreg=cfg.maxnreg,
     )
     if is_split:
         _decode_merge_kernel[(num_q_heads, batch)](

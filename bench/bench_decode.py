@@ -493,27 +493,37 @@ def measured_crossover(sel: list[dict], base: str, col: str) -> int | None:
 
 EVIDENCE_COLUMNS = ("bf16", "fp8", *TQ_FORMATS, "sdpa_cudnn")
 """Columns written by --evidence: the cache formats recommend can choose, and the baseline."""
+EVIDENCE_FROM = {"fp8": ("fp8_gl", "fp8")}
+"""Rows an evidence column is taken from, first present first: our fastest kernel for the format. For
+fp8 on Hopper that is the Gluon kernel, whose e4m3 query is what vLLM's FA3 FP8 path does too."""
 
 
 def evidence_block(records: list[dict], summary: list[dict], log: dict, gpu_id: str, batch: int = 8) -> dict[str, Any]:
     """The `kernels` measurements of a policy evidence entry (kvpolicy.policy.schema.KernelMeasurement) for one batch."""
     measurements = []
+    used = set()
     for gname, geom in GEOMETRIES.items():
         fits = {}
-        for s in summary:
-            if s["geometry"] != gname or s["batch"] != batch or s["column"] not in EVIDENCE_COLUMNS:
-                continue
-            at_128k = [r for r in records if r["geometry"] == gname and r["batch"] == batch
-                       and r["column"] == s["column"] and r["context"] == 131072]
-            fits[s["column"]] = dict(slope_ns_per_token=round(s["slope_ns_per_token"], 4),
-                                     intercept_us=round(s["intercept_us"], 2),
-                                     read_tbps_at_128k=round(at_128k[0]["tbps"], 2) if at_128k else None)
+        for column in EVIDENCE_COLUMNS:
+            for row in EVIDENCE_FROM.get(column, (column,)):
+                s = next((s for s in summary if s["geometry"] == gname and s["batch"] == batch and s["column"] == row), None)
+                if s is None:
+                    continue
+                at_128k = [r for r in records if r["geometry"] == gname and r["batch"] == batch
+                           and r["column"] == row and r["context"] == 131072]
+                fits[column] = dict(slope_ns_per_token=round(s["slope_ns_per_token"], 4),
+                                    intercept_us=round(s["intercept_us"], 2),
+                                    read_tbps_at_128k=round(at_128k[0]["tbps"], 2) if at_128k else None)
+                if row != column:
+                    used.add(f"{column} from the {row} row")
+                break
         if "sdpa_cudnn" in fits and len(fits) > 1:
             measurements.append(dict(gpu=gpu_id, geometry=gname, head_dim=geom.head_dim, batch=batch,
                                      baseline="sdpa_cudnn", fits=fits))
+    rows = f" ({', '.join(sorted(used))})" if used else ""
     return {"kernels": measurements,
             "source": f"bench/bench_decode.py on an {log['gpu']}, {log['date'][:10]}, torch {log['torch']}, "
-                      f"Triton {log['triton']}, commit {log['commit']}"}
+                      f"Triton {log['triton']}, commit {log['commit']}{rows}"}
 
 
 @triton.jit

@@ -42,3 +42,20 @@ def test_reprint_rederives_the_recorded_run_without_a_gpu():
     assert "| 131072 | 976.8 (4.40) | 633.8 (3.39) |" in out
     assert "llama-3.1-8b b=8 fp8: 3.39 TB/s of KV at 128k (target >= 3.8) MISSED" in out
     assert "llama-3.1-8b b=8 fp8: break-even vs our BF16 0 tokens (target < 2048) MET; measured: as fast or faster from 1024 tokens on" in out
+
+
+def test_evidence_takes_fp8_from_the_fastest_kernel_and_says_so():
+    """--evidence: the fp8 column comes from the Gluon row when the run has one, and the source names it."""
+    log = dict(gpu="NVIDIA H200", date="2026-11-30T10:00:00", torch="2.11", triton="3.6", commit="abc1234")
+    summary, records = [], []
+    for geom in bench_decode.GEOMETRIES:
+        for column, slope in (("bf16", 7.0), ("fp8", 4.8), ("fp8_gl", 3.8), ("sdpa_cudnn", 7.2)):
+            summary.append(dict(geometry=geom, batch=8, column=column, slope_ns_per_token=slope, intercept_us=8.0))
+            records.append(dict(geometry=geom, batch=8, column=column, context=131072, tbps=16384 / slope / 1e3))
+    block = bench_decode.evidence_block(records, summary, log, "h200")
+    fits = block["kernels"][0]["fits"]
+    assert fits["fp8"]["slope_ns_per_token"] == 3.8 and fits["bf16"]["slope_ns_per_token"] == 7.0
+    assert "fp8 from the fp8_gl row" in block["source"]
+    # without the Gluon row (another GPU), the Triton row
+    block = bench_decode.evidence_block(records, [s for s in summary if s["column"] != "fp8_gl"], log, "h200")
+    assert block["kernels"][0]["fits"]["fp8"]["slope_ns_per_token"] == 4.8 and "from the" not in block["source"]

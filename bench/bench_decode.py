@@ -194,6 +194,24 @@ FORMATS: dict[str, dict[str, Any]] = {
     **{fmt: _tq_row(fmt) for fmt in TQ_FORMATS},
 }
 SDPA_COLUMNS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
+GLUON_VARIANTS = {
+    "fp8_gl 2L-on 1-split": ("fp8_gl", dict(two_level=True, num_splits=1)),
+    "fp8_gl 2L-off 1-split": ("fp8_gl", dict(two_level=False, num_splits=1)),
+    "fp8_gl 2L-on": ("fp8_gl", dict(two_level=True)),
+}
+"""Accuracy and needle variants of the Gluon kernel (Hopper only): its P.V is an fp16 wgmma, carried in the
+MMA when two-level is off."""
+
+
+def gluon_rows_apply(device) -> bool:
+    """Whether this GPU runs the fp8_gl rows (kernels/decode_gluon.py is written for sm_90)."""
+    if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        import kvpolicy.kernels.decode_gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- timing
@@ -393,6 +411,9 @@ def tune(device, log: dict, formats: list[str]) -> None:
 
 def speed_table(args, device, log: dict, save: Callable[[], None]) -> list[dict]:
     rows = {n: FORMATS[n] for n in args.formats if n in FORMATS}
+    if not gluon_rows_apply(device) and any(n.startswith("fp8_gl") for n in rows):
+        print("  (fp8_gl rows skipped: the Gluon kernel runs on sm_90 only)")
+        rows = {n: r for n, r in rows.items() if not n.startswith("fp8_gl")}
     sdpa_cols = [n for n in args.formats if n in SDPA_COLUMNS]
     records = []
     for gname in args.geometries:
@@ -615,6 +636,7 @@ def accuracy(contexts: list[int], device, log: dict) -> list[dict]:
         "fp8 2L-on": ("fp8", dict(two_level=True)),
         "fp8 2L-off wgmma": ("fp8", dict(two_level=False, config=WGMMA)),
         "fp8_q8 2L-on": ("fp8_q8", dict(two_level=True)),
+        **(GLUON_VARIANTS if gluon_rows_apply(device) else {}),
     }
     out = []
     for context in contexts:
@@ -629,6 +651,7 @@ def accuracy(contexts: list[int], device, log: dict) -> list[dict]:
         for fmt in ("bf16", "fp8", "fp8_q8"):
             caches[fmt] = FORMATS[fmt]["allocate"](table.shape[1], BLOCK_SIZE, geom.num_kv_heads, geom.head_dim, device)
             FORMATS[fmt]["store"](caches[fmt], key, value, slots)
+        caches["fp8_gl"] = caches["fp8_q8"]  # the same FP8 NHD cache and scales, read by the Gluon kernel
         refs = {}
         for name, (fmt, kw) in variants.items():
             c = caches[fmt]
@@ -658,6 +681,7 @@ def needle(contexts: list[int], device, log: dict, margin: float = 13.5, batch: 
         "fp8 2L-off 1-split wgmma": ("fp8", dict(two_level=False, num_splits=1, config=WGMMA)),
         "fp8 2L-off 1-split": ("fp8", dict(two_level=False, num_splits=1)),
         "fp8_q8 2L-on": ("fp8_q8", dict(two_level=True)),
+        **(GLUON_VARIANTS if gluon_rows_apply(device) else {}),
     }
     res = []
     for context in contexts:
@@ -683,6 +707,7 @@ def needle(contexts: list[int], device, log: dict, margin: float = 13.5, batch: 
         for fmt in ("bf16", "fp8", "fp8_q8"):
             caches[fmt] = FORMATS[fmt]["allocate"](batch * blocks, BLOCK_SIZE, geom.num_kv_heads, d, device)
             FORMATS[fmt]["store"](caches[fmt], key, value, slots)
+        caches["fp8_gl"] = caches["fp8_q8"]  # the same FP8 NHD cache and scales, read by the Gluon kernel
         want = code.repeat_interleave(group, dim=1)
         for name, (fmt, kw) in variants.items():
             got = FORMATS[fmt]["decode"](caches[fmt], query, tables, seq_lens, None, out=torch.empty(query.shape, device=device), **kw)

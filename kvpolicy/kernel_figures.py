@@ -1,7 +1,7 @@
 """kvpolicy's own kernel measurements as estimates: `kernel slope vs cuDNN` and the `kernels.*` facts.
 
 Evidence entries with a `kernels:` block hold decode-attention fits of kvpolicy's
-Triton kernels (bench/bench_decode.py --evidence). For a deployment the figure
+kernels (bench/bench_decode.py --evidence: Triton, and Gluon for FP8 on Hopper). For a deployment the figure
 comes from the user's GPU, else from a GPU of the same generation, at the
 measured layer shape whose head_dim is closest to the model's.
 """
@@ -105,7 +105,7 @@ def _kernel_figure(rows: list[_KernelRow], gpu: GpuSpec, head_dim: int, is_mla: 
     if fit.read_tbps_at_128k is not None:
         notes.append(f"{fit.read_tbps_at_128k:g} TB/s of KV read at 128k")
     notes.append(f"evidence `{ev_id}`")
-    basis = f"kvpolicy's {kernel} Triton kernel: {ratio:.2f}x {base_name}'s attention slope {where} " \
+    basis = f"kvpolicy's {kernel} kernel: {ratio:.2f}x {base_name}'s attention slope {where} " \
             f"({'; '.join(notes)})"
     phrase = f"{ratio:.2f}x {base_name}'s attention slope in kvpolicy's {kernel} kernel ({m_gpu}, {m.geometry} " \
              f"layer, batch {m.batch})"

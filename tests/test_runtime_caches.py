@@ -134,7 +134,7 @@ def test_a_decode_step_runs_every_layer(variant):
 def test_linear_and_mla_layers():
     qwen = resolve_model("qwen3.5-27b")
     paths = DecodeStep.__new__(DecodeStep)
-    paths.plans, paths.backend = plan_layers(qwen, Variant("fp8")), "triton"
+    paths.plans, paths.backend, paths.device = plan_layers(qwen, Variant("fp8")), "triton", CPU
     assert "none (linear)" in DecodeStep.layer_paths(paths)
     mla = ModelArch(id="mini-mla", num_layers=2, layer_types=["mla", "mla"], num_attention_heads=4, num_kv_heads=4,
                     head_dim=48, kv_lora_rank=64, qk_rope_head_dim=16, attention="mla")
@@ -189,3 +189,26 @@ def test_hnd_caches_are_head_major_and_hold_the_formula_bytes():
     cache = allocate(plans, batch=2, max_context=100, device="cpu", layout="HND")[0]
     assert cache.key_cache.shape[1:] == (16, 2, 64)
     assert cache.key_cache.stride()[1:] == (64, 16 * 64, 1)  # position, head, dim: one head's page is contiguous
+
+
+def test_fp8_layers_take_the_gluon_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch):
+    """On an sm_90 GPU FP8 layers of head_dim 64/128 report and run `gluon`; BF16 and TurboQuant layers,
+    MLA latents and the CPU do not; KVPOLICY_GLUON=0 keeps FP8 on Triton."""
+    gpt_oss = resolve_model("gpt-oss-20b")
+    fp8 = plan_layers(gpt_oss, Variant("fp8"))
+    assert {p.kernel_path("triton", gluon=True) for p in fp8 if p.attends} == {"gluon"}
+    assert {p.kernel_path("triton", gluon=False) for p in fp8 if p.attends} == {"triton"}
+    assert {p.kernel_path("reference", gluon=True) for p in fp8} == {"reference"}
+    # skip-sliding: the BF16 sliding layers stay on Triton, the FP8 full layers go to Gluon
+    mixed = plan_layers(gpt_oss, parse_variant("fp8_skip_sliding"))
+    assert {p.kind: p.kernel_path("triton", gluon=True) for p in mixed} == {"sliding": "triton", "full": "gluon"}
+    for variant in ("bf16", "turboquant_4bit_nc"):
+        assert {p.kernel_path("triton", gluon=True) for p in plan_layers(gpt_oss, parse_variant(variant))} == {"triton"}
+    mla = resolve_model("deepseek-v3")
+    assert plan_layers(mla, Variant("fp8"))[0].kernel_path("triton", gluon=True) == "reference"
+    # the device decides: never on the CPU, and the environment can turn it off
+    assert not ops.gluon_available(CPU)
+    monkeypatch.setattr(ops, "_gluon_on", lambda *a: True)
+    assert ops.gluon_available(torch.device("cuda", 0))
+    monkeypatch.setenv("KVPOLICY_GLUON", "0")
+    assert not ops.gluon_available(torch.device("cuda", 0))

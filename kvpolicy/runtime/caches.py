@@ -33,6 +33,10 @@ KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head dims the BF16/FP8 Triton decode kernel takes."""
 TQ_HEAD_DIMS = (64, 128, 256)
 """Head dims the TurboQuant kernels take."""
+GLUON_HEAD_DIMS = (64, 128)
+"""Head dims the Gluon FP8 decode kernel (Hopper, kernels/decode_gluon.py) takes."""
+GLUON_MAX_GROUP = 16
+"""Largest GQA group (query heads per KV head) the Gluon kernel packs into one tile."""
 
 
 @dataclass(frozen=True)
@@ -74,13 +78,19 @@ class LayerPlan:
         """True when the layer runs decode attention (all but linear layers)."""
         return self.kind != "linear"
 
-    def kernel_path(self, backend: str) -> str:
-        """`triton`, or `reference` where the kernels do not take this layer (or on the CPU)."""
+    def kernel_path(self, backend: str, gluon: bool = False) -> str:
+        """`triton`; `gluon` for the FP8 layers the Hopper Gluon kernel takes, when `gluon` (the GPU is an
+        sm_90 one: `ops.gluon_available`); `reference` where the kernels do not take this layer (or on the CPU)."""
         if backend != "triton":
             return "reference"
         if self.fmt is not None and self.fmt.kind == "turboquant":
             return "triton"
-        return "triton" if self.head_dim in KERNEL_HEAD_DIMS else "reference"
+        if self.head_dim not in KERNEL_HEAD_DIMS:
+            return "reference"
+        if (gluon and self.fmt is not None and self.fmt.kind == "fp8" and self.head_dim in GLUON_HEAD_DIMS
+                and self.num_q_heads // self.num_kv_heads <= GLUON_MAX_GROUP and BLOCK_SIZE == 16):
+            return "gluon"
+        return "triton"
 
 
 def _shared_sources(arch: ModelArch) -> dict[int, int]:

@@ -4,6 +4,8 @@ This is where a layer plan becomes kernel calls. The kernels take tensors, a
 cache layout and switches; which switch a layer gets (format, window, sinks,
 two-level, scales) comes from its plan and the variant, never from a policy.
 `backend` is `triton` (CUDA) or `reference` (float64 torch, any device).
+On a Hopper GPU, FP8 layers decode with the Gluon kernel (kernels/decode_gluon.py,
+e4m3 query as in vLLM's FA3 FP8 path); `KVPOLICY_GLUON=0` keeps them on Triton.
 Layers the BF16/FP8 kernel does not take (an MLA latent of 576 dims, head dims
 above 256) run the reference on every backend; `LayerPlan.kernel_path` says
 which, and the results report it.
@@ -11,6 +13,8 @@ which, and the results report it.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import torch
@@ -51,6 +55,25 @@ def store(cache: LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torc
     ref_store_kv(key, value, cache.key_cache, cache.value_cache, slots, cache.k_scale, cache.v_scale)
 
 
+@functools.lru_cache(maxsize=None)
+def _gluon_on(device_type: str, index: int | None) -> bool:
+    if device_type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device()) != (9, 0):
+        return False
+    try:
+        import kvpolicy.kernels.decode_gluon  # noqa: F401
+    except ImportError:  # a Triton without this Gluon API: the Triton kernel serves FP8 too
+        return False
+    return True
+
+
+def gluon_available(device: torch.device) -> bool:
+    """Whether FP8 layers decode with the Gluon kernel here: an sm_90 GPU, a Triton with its Gluon API,
+    and `KVPOLICY_GLUON` not set to 0."""
+    return os.environ.get("KVPOLICY_GLUON", "1") != "0" and _gluon_on(device.type, device.index)
+
+
 def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, backend: str, two_level: bool = True) -> torch.Tensor:
     """One query token per sequence over `cache` (possibly another layer's, for shared layers).
@@ -59,7 +82,7 @@ def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables
     """
     fmt = cache.plan.fmt
     assert fmt is not None
-    path = plan.kernel_path(backend)
+    path = plan.kernel_path(backend, gluon_available(query.device))
     common: dict[str, Any] = {"sm_scale": plan.sm_scale, "sliding_window": plan.window, "sinks": cache.sinks}
     if fmt.kind == "turboquant":
         if path == "triton":
@@ -70,11 +93,12 @@ def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables
             from kvpolicy.kernels.tq_reference import decode_attention_tq_ref
 
             out = decode_attention_tq_ref(query, cache.key_cache, block_tables, seq_lens, fmt.name, **common)
-    elif path == "triton":
+    elif path in ("triton", "gluon"):
         from kvpolicy.kernels.decode_attention import decode_attention
 
         out = decode_attention(query, cache.key_cache, cache.value_cache, block_tables, seq_lens,
-                               k_scale=cache.k_scale, v_scale=cache.v_scale, two_level=two_level, **common)
+                               k_scale=cache.k_scale, v_scale=cache.v_scale, two_level=two_level,
+                               fp8_query=path == "gluon", kernel="gluon" if path == "gluon" else "triton", **common)
     else:
         from kvpolicy.kernels.reference import ref_decode_attention
 

@@ -81,10 +81,11 @@ class DecodeStep:
         return sum(c.nbytes for c in self.caches if c is not None)
 
     def layer_paths(self) -> dict[str, list[int]]:
-        """Layer indices per path: triton, reference, no-cache (linear)."""
+        """Layer indices per path: triton, gluon (FP8 on Hopper), reference, no-cache (linear)."""
         out: dict[str, list[int]] = {}
         for p in self.plans:
-            out.setdefault(p.kernel_path(self.backend) if p.attends else "none (linear)", []).append(p.index)
+            path = p.kernel_path(self.backend, ops.gluon_available(self.device)) if p.attends else "none (linear)"
+            out.setdefault(path, []).append(p.index)
         return out
 
     def fill(self, context: int) -> None:

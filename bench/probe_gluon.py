@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--maxnreg", default="128")
     p.add_argument("--block-n", default="64,128")
     p.add_argument("--split-scale", default="0.5,1,2")
+    p.add_argument("--layouts", default="fp8_gl,fp8_gl_hnd", help="the Gluon rows to sweep (NHD, HND pages)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -60,14 +61,14 @@ def main() -> None:
                 nbytes = kv_bytes(FORMATS["fp8"], geom, batch, ctx)
                 line = f"{gname} b{batch} {ctx}: " + ", ".join(f"{k} {v:.1f}us ({nbytes / v / 1e6:.2f} TB/s)" for k, v in base.items())
                 print(line, flush=True)
-                for layout in ("fp8_gl", "fp8_gl_hnd"):
+                for layout in args.layouts.split(","):
                     cache = case["caches"][layout]
                     for stages, maxnreg, block_n in itertools.product(map(int, args.stages.split(",")),
                                                                      map(int, args.maxnreg.split(",")),
                                                                      map(int, args.block_n.split(","))):
                             cfg = dg.GluonConfig(block_n=block_n, stages=stages, maxnreg=maxnreg)
                             res = dg.programs_per_sm(geom.head_dim, dev, cfg)
-                            default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev, waves=(2,))
+                            default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev, waves=())
                             for scale in map(float, args.split_scale.split(",")):
                                 splits = max(1, int(default * scale))
                                 try:

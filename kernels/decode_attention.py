@@ -636,7 +636,7 @@ def decode_attention(
                 max_context = min(max_context, sliding_window + gcfg.block_n)
             splits = num_splits if num_splits is not None else split_count(
                 batch, num_kv_heads, max_context, gcfg.block_n, decode_gluon.programs_per_sm(head_dim, device, gcfg), device,
-                waves=(2,))
+                waves=())
             if splits < 1:
                 raise ValueError(f"num_splits must be >= 1, got {splits}")
             return decode_gluon.decode_gluon(

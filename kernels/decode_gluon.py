@@ -329,8 +329,9 @@ class GluonConfig:
     stages: int = 4
     """K/V tiles in flight per program (the ring of TMA stages)."""
     maxnreg: int = 128
-    """Registers per thread over the program's 5 warps (the producer warp hands most of its share to the
-    consumer warpgroup): 3 programs of 160 threads fit an SM's 64K registers."""
+    """Registers per thread at launch, over the program's 8 warps (the consumer warpgroup, and the producer
+    warp padded to a warpgroup); setmaxnreg then moves the producer's share to the consumer (at 128: 232
+    registers per consumer thread). 128 holds 2 programs per SM, 80 holds 3 (consumer: 136)."""
 
 
 def default_gluon_config(head_dim: int) -> GluonConfig:
@@ -362,7 +363,9 @@ def programs_per_sm(head_dim: int, device: torch.device, cfg: GluonConfig) -> in
     head_dim 128 (shared memory) and 3 at 64 (registers and shared memory)."""
     from kvpolicy.kernels.decode_attention import resident_programs
 
-    return resident_programs(cfg.maxnreg, smem_bytes(head_dim, cfg), 5, device)
+    # 8 warps: the producer's one warp is launched as a whole warpgroup (setmaxnreg works per warpgroup),
+    # so a program holds 256 threads x maxnreg registers (PTX `.reqntid 256`).
+    return resident_programs(cfg.maxnreg, smem_bytes(head_dim, cfg), 8, device)
 
 
 def decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, *, k_scale, v_scale, k_stride, v_stride,

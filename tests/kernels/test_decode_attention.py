@@ -332,6 +332,10 @@ def test_split_count_fills_whole_waves(monkeypatch: pytest.MonkeyPatch) -> None:
     assert da.choose_num_splits(1, 1, 1 << 20, fp8, gpu) <= 128
     # more sequences than a wave holds: no splitting
     assert splits(128, 32768) == 1
+    # without extra waves (the Gluon kernel: 2 programs per SM, 128-token tiles) one wave at every length:
+    # the split counts its H200 sweep found best (4 at batch 8, 32 at batch 1)
+    assert [da.split_count(8, 8, n, 128, 2.0, gpu, waves=()) for n in (16384, 131072)] == [4, 4]
+    assert [da.split_count(1, 8, n, 128, 2.0, gpu, waves=()) for n in (16384, 131072)] == [32, 32]
 
 
 def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -353,3 +357,19 @@ def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> No
     assert [wave(hopper, 128, True), wave(hopper, 64, True), wave(hopper, 128, False), wave(hopper, 64, False)] == [4, 4, 3, 3]
     assert wave(ampere, 128, False) == 2
     assert wave(ada, 128, True) == 1 and wave(ada, 128, False) == 1
+
+
+def test_gluon_residency_counts_the_padded_producer_warpgroup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon kernel launches 8 warps (its one producer warp padded to a warpgroup): at 128 registers two
+    programs fit an SM's 64K registers, whatever shared memory allows; at 80, three where memory holds them."""
+    from types import SimpleNamespace
+
+    decode_gluon = pytest.importorskip("kvpolicy.kernels.decode_gluon", reason="this Triton has no Gluon API")
+    props = SimpleNamespace(shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    gpu = torch.device("cuda", 0)
+    for head_dim in (64, 128):
+        assert decode_gluon.programs_per_sm(head_dim, gpu, decode_gluon.default_gluon_config(head_dim)) == 2
+    lean = decode_gluon.GluonConfig(block_n=128, stages=3, maxnreg=80)
+    assert decode_gluon.programs_per_sm(64, gpu, lean) == 3  # 68 KB of shared memory each
+    assert decode_gluon.programs_per_sm(128, gpu, lean) == 1  # 135 KB each

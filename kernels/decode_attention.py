@@ -167,6 +167,9 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
       batch's (sequence, KV head) pairs alone fill a wave.
     Against the previous rule (16 programs per SM for FP8, 2 for BF16, >= 128 tokens per split)
     this was 7% faster on average over those cases and up to 33% (FP8, batch 8, 4k).
+    `waves`: the whole-wave multiples tried at long contexts, largest first. The Gluon kernel passes
+    none: one wave measured fastest for it (bench/probe_gluon.py, NOTES.md v8; gpt-oss layer, batch 8,
+    128k: 4 splits 259.5-261.3 us, 8 splits 305.5 us).
     """
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
     pairs = batch * num_kv_heads

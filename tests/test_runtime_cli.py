@@ -134,3 +134,24 @@ def test_bench_measures_flashinfer_decisions_on_hnd_pages(tmp_path):
     result = json.loads(next(out.glob("bench-*.json")).read_text())
     assert result["decision"]["attention_backend"] == "FLASHINFER"
     assert {v["cache_layout"] for v in result["variants"]} == {"HND"}
+
+
+def test_bench_table_names_the_gluon_kernel_where_fp8_layers_ran_it(tmp_path, capsys):
+    """The text report says when FP8 layers ran the Hopper Gluon kernel (e4m3 query), and stays silent
+    where none did (here: a CPU run, then the same result as an H200 run would record it)."""
+    pytest.importorskip("torch")
+    from kvpolicy.commands.runtime import _print_bench
+    from kvpolicy.runtime.results import BenchResult
+
+    out = tmp_path / "out"
+    code = main(["bench", "--model", str(mini_oss(tmp_path)), "--gpu", "h200", "--device", "cpu",
+                 "--contexts", "8k,32k", "--batch", "1", "--no-plot", "--out", str(out), "--format", "json"])
+    assert code == 0
+    capsys.readouterr()
+    result = BenchResult.model_validate_json(next(out.glob("bench-*.json")).read_text())
+    _print_bench(result)
+    assert "Gluon" not in capsys.readouterr().out
+    fp8 = next(v for v in result.variants if v.kv_cache_dtype == "fp8")
+    fp8.layer_paths = {"gluon": [0, 1, 2, 3]}
+    _print_bench(result)
+    assert f"FP8 layers of {fp8.name} on the Gluon kernel" in " ".join(capsys.readouterr().out.split())

@@ -222,9 +222,13 @@ def _print_bench(result: Any) -> None:
     env = result.environment
     layouts = {v.cache_layout for v in result.variants}
     pages = " on HND pages (FlashInfer's layout)" if layouts == {"HND"} else ""
+    gluon = [v.name for v in result.variants if "gluon" in v.layer_paths]
+    # Which kernel ran matters to anyone comparing with vLLM: on Hopper, FP8 layers run the Gluon kernel
+    # with an e4m3 query (FA3's FP8 numerics), not the Triton one.
+    kernels = f"; FP8 layers of {', '.join(gluon)} on the Gluon kernel (e4m3 query)" if gluon else ""
     console.print(f"[bold]{result.model}[/] on [bold]{env.device}[/] ({env.backend}); decision "
                   f"[bold]{result.decision.kv_cache_dtype}[/] skip {result.decision.skip_layers or '[]'}; "
-                  f"{result.timing}{pages}")
+                  f"{result.timing}{pages}{kernels}")
     table = Table(title="ITL = slope x context + intercept (decode-step attention, all layers)")
     for col in ("variant", "batch", "slope ms/token", "intercept ms", "slope vs BF16", "break-even tokens", "r2"):
         table.add_column(col, justify="left" if col == "variant" else "right")

@@ -88,3 +88,34 @@ def test_auto_falls_back_and_gluon_explains(device: str) -> None:
         decode_attention(**case, kernel="gluon")
     with pytest.raises(ValueError, match="kernel must be"):
         decode_attention(**case, kernel="cuda")
+
+
+def test_cache_descriptor_addresses_one_page_of_one_head() -> None:
+    """Host side, no GPU: the TMA descriptor and the (rows per page, rows per head, columns per head) that
+    place a (page, head) box, for vLLM's NHD cache and the HND view; None for what the kernel cannot read."""
+    decode_gluon = pytest.importorskip("kvpolicy.kernels.decode_gluon", reason="this Triton has no Gluon API")
+    from kvpolicy.kernels.paged_store import allocate_cache
+
+    for head_dim in (64, 128):
+        k, _ = allocate_cache(10, 16, 8, head_dim, "fp8", "cpu", "NHD")
+        desc, page_rows, head_rows, head_cols = decode_gluon.cache_descriptor(k)
+        # NHD: row = block * 16 + token, a head is a column block of head_dim bytes
+        assert (desc.shape, desc.block_shape, page_rows, head_rows, head_cols) == (
+            [160, 8 * head_dim], [16, head_dim], 16, 0, head_dim)
+        k, _ = allocate_cache(10, 16, 8, head_dim, "fp8", "cpu", "HND")
+        desc, page_rows, head_rows, head_cols = decode_gluon.cache_descriptor(k)
+        # HND: row = (block * heads + head) * 16 + token
+        assert (desc.shape, desc.block_shape, page_rows, head_rows, head_cols) == (
+            [1280, head_dim], [16, head_dim], 128, 16, 0)
+    # the box of (page 3, head 5) starts where the cache holds page 3, head 5, token 0, in both layouts
+    for layout in ("NHD", "HND"):
+        k, _ = allocate_cache(10, 16, 8, 128, "fp8", "cpu", layout)
+        desc, page_rows, head_rows, head_cols = decode_gluon.cache_descriptor(k)
+        row, col = 3 * page_rows + 5 * head_rows, 5 * head_cols
+        assert k.data_ptr() + row * desc.strides[0] + col == k[3, 0, 5].data_ptr()
+        assert k.data_ptr() + (row + 15) * desc.strides[0] + col == k[3, 15, 5].data_ptr()
+    # what it does not take: other page sizes and head dims, BF16, a sliced (non-contiguous) cache
+    assert decode_gluon.cache_descriptor(allocate_cache(10, 32, 8, 128, "fp8", "cpu", "NHD")[0]) is None
+    assert decode_gluon.cache_descriptor(allocate_cache(10, 16, 8, 256, "fp8", "cpu", "NHD")[0]) is None
+    assert decode_gluon.cache_descriptor(allocate_cache(10, 16, 8, 128, "bfloat16", "cpu", "NHD")[0]) is None
+    assert decode_gluon.cache_descriptor(allocate_cache(10, 16, 8, 128, "fp8", "cpu", "NHD")[0][:, :, :4]) is None

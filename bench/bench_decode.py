@@ -40,7 +40,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvpolicy.formats import get_format
-from kvpolicy.kernels.decode_attention import DecodeConfig, decode_attention, default_config
+from kvpolicy.kernels.decode_attention import DecodeConfig, decode_attention, default_config, gluon_runs_on
 from kvpolicy.kernels.paged_store import allocate_cache, compute_kv_scales, store_kv
 from kvpolicy.kernels.reference import ref_decode_attention
 from kvpolicy.kernels.tq_decode import decode_attention_tq
@@ -205,13 +205,8 @@ MMA when two-level is off."""
 
 def gluon_rows_apply(device) -> bool:
     """Whether this GPU runs the fp8_gl rows (kernels/decode_gluon.py is written for sm_90)."""
-    if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    try:
-        import kvpolicy.kernels.decode_gluon  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    device = torch.device(device)
+    return device.type == "cuda" and gluon_runs_on(device)[0]
 
 
 # --------------------------------------------------------------------------- timing

@@ -553,20 +553,74 @@ def _check_inputs(
             raise ValueError(f"{name}: on {t.device}, query is on {query.device}")
 
 
+@functools.cache
+def _gluon_device(device_type: str, index: int | None) -> str:
+    if device_type != "cuda" or _interpreting():
+        return "it needs a CUDA GPU (Gluon does not run under the interpreter)"
+    if torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device()) != (9, 0):
+        return "it is written for sm_90 (Hopper)"
+    try:
+        from kvpolicy.kernels import decode_gluon  # noqa: F401
+    except ImportError as exc:  # Gluon's API moves between Triton releases
+        return f"this Triton has no usable Gluon ({exc})"
+    return ""
+
+
+def gluon_runs_on(device: torch.device) -> tuple[bool, str]:
+    """Whether the Gluon kernel (`decode_gluon`) runs on `device`, and if not, why: an sm_90 GPU, no
+    interpreter, and a Triton with the Gluon API it is written against."""
+    why = _gluon_device(device.type, device.index)
+    return not why, why
+
+
 def _gluon_applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, fp8_query: bool,
                    config: DecodeConfig | None) -> tuple[bool, str]:
     """Whether the Gluon kernel can take this call, and if not, why."""
     if config is not None:
         return False, "an explicit DecodeConfig is for the Triton kernel"
-    if query.device.type != "cuda" or _interpreting():
-        return False, "it needs a CUDA GPU (Gluon does not run under the interpreter)"
+    ok, why = gluon_runs_on(query.device)
+    if not ok:
+        return ok, why
     if not fp8_query or key_cache.dtype != torch.float8_e4m3fn:
         return False, "it handles FP8 caches with fp8_query=True only"
-    try:
-        from kvpolicy.kernels import decode_gluon
-    except ImportError as exc:  # Gluon's API moves between Triton releases
-        return False, f"this Triton has no usable Gluon ({exc})"
+    from kvpolicy.kernels import decode_gluon
+
     return decode_gluon.supported(query, key_cache, value_cache)
+
+
+def split_partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partial outputs [batch, heads, splits, head_dim] and log-sum-exps [batch, heads, splits] of a
+    split call (`out` itself, unused, when there is one split)."""
+    if splits == 1:
+        return out, out
+    batch, heads, head_dim = out.shape
+    return (torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=out.device),
+            torch.empty(batch, heads, splits, dtype=torch.float32, device=out.device))
+
+
+def launch_merge(part_out: torch.Tensor, part_lse: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
+                 splits: int, pdl: bool) -> None:
+    """Combine `split_partials` (written by either decode kernel) into `out`, sinks in the denominator."""
+    batch, heads, head_dim = out.shape
+    _decode_merge_kernel[(heads, batch)](
+        part_out, part_lse, sinks if sinks is not None else part_lse, out,
+        splits,
+        heads * splits, splits, 1,
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        HAS_SINKS=sinks is not None,
+        PDL=pdl,
+        num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+
+
+def _span(block_tables: torch.Tensor, page_size: int, sliding_window: int | None, tile: int) -> int:
+    """Longest context a call may attend, from the block table's capacity (no host sync): a window's
+    worth plus a tile for windowed layers."""
+    span = block_tables.shape[1] * page_size
+    return span if sliding_window is None else min(span, sliding_window + tile)
 
 
 def decode_attention(
@@ -628,20 +682,17 @@ def decode_attention(
         return out
     if kernel not in ("triton", "gluon", "auto"):
         raise ValueError(f"kernel must be 'triton', 'gluon' or 'auto', got {kernel!r}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if kernel != "triton":
         gluon_ok, why = _gluon_applies(query, key_cache, value_cache, fp8_query, config)
         if gluon_ok:
             from kvpolicy.kernels import decode_gluon
 
             gcfg = decode_gluon.default_gluon_config(head_dim)
-            max_context = block_tables.shape[1] * page_size
-            if sliding_window is not None:
-                max_context = min(max_context, sliding_window + gcfg.block_n)
-            splits = num_splits if num_splits is not None else split_count(
-                batch, num_kv_heads, max_context, gcfg.block_n, decode_gluon.programs_per_sm(head_dim, device, gcfg), device,
-                waves=())
-            if splits < 1:
-                raise ValueError(f"num_splits must be >= 1, got {splits}")
+            splits = num_splits or split_count(
+                batch, num_kv_heads, _span(block_tables, page_size, sliding_window, gcfg.block_n), gcfg.block_n,
+                decode_gluon.programs_per_sm(head_dim, device, gcfg), device, waves=())
             return decode_gluon.decode_gluon(
                 query, key_cache, value_cache, block_tables, seq_lens, k_scale=k_scale, v_scale=v_scale,
                 k_stride=k_stride, v_stride=v_stride, sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
@@ -658,19 +709,11 @@ def decode_attention(
         raise ValueError("swap_ab needs num_stages >= 2")
     if cfg.num_sub not in (1, 2):
         raise ValueError(f"num_sub must be 1 or 2, got {cfg.num_sub}")
-    max_context = block_tables.shape[1] * page_size
-    if sliding_window is not None:
-        max_context = min(max_context, sliding_window + cfg.block_n * cfg.num_sub)
-    splits = num_splits if num_splits is not None else choose_num_splits(batch, num_kv_heads, max_context, cfg, device)
-    if splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    splits = num_splits or choose_num_splits(
+        batch, num_kv_heads, _span(block_tables, page_size, sliding_window, cfg.block_n * cfg.num_sub), cfg, device)
     group = num_q_heads // num_kv_heads
     is_split = splits > 1
-    if is_split:
-        part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
-        part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=device)
-    else:
-        part_out = part_lse = out  # unused
+    part_out, part_lse = split_partials(out, splits)
     kc = key_cache.view(torch.uint8) if kv_fp8 else key_cache
     vc = value_cache.view(torch.uint8) if kv_fp8 else value_cache
     dummy = seq_lens
@@ -712,16 +755,5 @@ def decode_attention(
         **({"launch_pdl": True} if pdl else {}),
     )
     if is_split:
-        _decode_merge_kernel[(num_q_heads, batch)](
-            part_out, part_lse, sinks if sinks is not None else dummy, out,
-            splits,
-            num_q_heads * splits, splits, 1,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)),
-            HAS_SINKS=sinks is not None,
-            PDL=pdl,
-            num_warps=4,
-            **({"launch_pdl": True} if pdl else {}),
-        )
+        launch_merge(part_out, part_lse, sinks, out, splits, pdl)
     return out

@@ -47,6 +47,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 PAGE = 16
 """Page size this kernel handles (vLLM's default block size)."""
+HEAD_DIMS = (64, 128)
+"""Head dims it takes."""
+MAX_GROUP = 16
+"""Largest GQA group (query heads per KV head) it packs into one tile (N of the score MMA)."""
 
 
 @gluon.jit
@@ -296,30 +300,39 @@ def _decode_gluon_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
 
 
-def cache_descriptor(cache: torch.Tensor) -> tuple[TensorDescriptor, int, int, int] | None:
-    """A 2-D TMA descriptor over an FP8 paged cache with one page of one head per box, and the
-    (rows per page, rows per head, columns per head) that address a (page, head) in it; None when
-    the cache is neither vLLM's contiguous NHD [blocks, 16, heads, D] nor the HND view of
-    [blocks, heads, 16, D]."""
-    nb, page, heads, d = cache.shape
-    if page != PAGE or d not in (64, 128) or cache.dtype != torch.float8_e4m3fn or cache.data_ptr() % 16:
+def _addressing(cache: torch.Tensor) -> tuple[int, int, int] | None:
+    """(rows per page, rows per head, columns per head) that place a (page, head) box in the 2-D view of
+    an FP8 paged cache; None when the cache is neither vLLM's contiguous NHD [blocks, 16, heads, D] nor
+    the HND view of [blocks, heads, 16, D]."""
+    _, page, heads, d = cache.shape
+    if page != PAGE or d not in HEAD_DIMS or cache.dtype != torch.float8_e4m3fn or cache.data_ptr() % 16:
         return None
-    layout = gl.NVMMASharedLayout.get_default_for([PAGE, d], gl.float8e4nv)
     if cache.stride() == (page * heads * d, heads * d, d, 1):  # NHD: a row is a token, a head is a column block
-        return TensorDescriptor(cache, [nb * page, heads * d], [heads * d, 1], [PAGE, d], layout), PAGE, 0, d
+        return PAGE, 0, d
     if cache.stride() == (heads * page * d, d, page * d, 1):  # HND: a row is (block, head, token)
-        return TensorDescriptor(cache, [nb * heads * page, d], [d, 1], [PAGE, d], layout), heads * PAGE, PAGE, 0
+        return heads * PAGE, PAGE, 0
     return None
 
 
+def cache_descriptor(cache: torch.Tensor) -> tuple[TensorDescriptor, int, int, int] | None:
+    """A 2-D TMA descriptor over an FP8 paged cache with one page of one head per box, and the
+    `_addressing` of a (page, head) in it; None where `_addressing` is."""
+    where = _addressing(cache)
+    if where is None:
+        return None
+    nb, page, heads, d = cache.shape
+    rows, cols = (nb * page, heads * d) if where[2] else (nb * heads * page, d)
+    layout = gl.NVMMASharedLayout.get_default_for([PAGE, d], gl.float8e4nv)
+    return (TensorDescriptor(cache, [rows, cols], [cols, 1], [PAGE, d], layout), *where)
+
+
 def supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[bool, str]:
-    """Whether `decode_gluon` handles this call, and if not, why (the caller may fall back to Triton)."""
-    if torch.cuda.get_device_capability(query.device) != (9, 0):
-        return False, "it is written for sm_90 (Hopper)"
-    if query.shape[1] // key_cache.shape[2] > 16:
-        return False, "GQA groups above 16 query heads per KV head"
-    if key_cache.stride() != value_cache.stride() or cache_descriptor(key_cache) is None:
-        return False, "it needs 16-token pages, head_dim 64 or 128, and a contiguous NHD cache or the HND view"
+    """Whether `decode_gluon` handles these tensors, and if not, why (the caller may fall back to Triton;
+    the device is `decode_attention.gluon_runs_on`'s to check)."""
+    if query.shape[1] // key_cache.shape[2] > MAX_GROUP:
+        return False, f"GQA groups above {MAX_GROUP} query heads per KV head"
+    if key_cache.stride() != value_cache.stride() or _addressing(key_cache) is None:
+        return False, f"it needs {PAGE}-token pages, head_dim {' or '.join(map(str, HEAD_DIMS))}, and a contiguous NHD cache or the HND view"
     return True, ""
 
 
@@ -375,7 +388,7 @@ def decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, *, k_sca
                  sm_scale: float, sliding_window: int | None, sinks, two_level: bool, splits: int,
                  out: torch.Tensor, config: GluonConfig | None = None) -> torch.Tensor:
     """Run the Gluon kernel (and the Triton merge when split); inputs already validated by `decode_attention`."""
-    from kvpolicy.kernels.decode_attention import _decode_merge_kernel
+    from kvpolicy.kernels.decode_attention import launch_merge, split_partials
 
     batch, num_q_heads, head_dim = query.shape
     cfg = config or default_gluon_config(head_dim)
@@ -386,12 +399,7 @@ def decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, *, k_sca
     k_desc, page_rows, head_rows, head_cols = cache_descriptor(key_cache)
     v_desc, *_ = cache_descriptor(value_cache)
     is_split = splits > 1
-    device = query.device
-    if is_split:
-        part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=device)
-        part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=device)
-    else:
-        part_out = part_lse = out
+    part_out, part_lse = split_partials(out, splits)
     dummy = seq_lens
     _decode_gluon_kernel[(num_kv_heads, splits, batch)](
         query, k_desc, v_desc, block_tables, seq_lens,
@@ -409,10 +417,5 @@ def decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, *, k_sca
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     if is_split:
-        _decode_merge_kernel[(num_q_heads, batch)](
-            part_out, part_lse, sinks if sinks is not None else dummy, out,
-            splits, num_q_heads * splits, splits, 1, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), HAS_SINKS=sinks is not None,
-            PDL=False, num_warps=4,
-        )
+        launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)
     return out

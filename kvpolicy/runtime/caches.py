@@ -33,10 +33,7 @@ KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head dims the BF16/FP8 Triton decode kernel takes."""
 TQ_HEAD_DIMS = (64, 128, 256)
 """Head dims the TurboQuant kernels take."""
-GLUON_HEAD_DIMS = (64, 128)
-"""Head dims the Gluon FP8 decode kernel (Hopper, kernels/decode_gluon.py) takes."""
-GLUON_MAX_GROUP = 16
-"""Largest GQA group (query heads per KV head) the Gluon kernel packs into one tile."""
+
 
 
 @dataclass(frozen=True)
@@ -87,9 +84,12 @@ class LayerPlan:
             return "triton"
         if self.head_dim not in KERNEL_HEAD_DIMS:
             return "reference"
-        if (gluon and self.fmt is not None and self.fmt.kind == "fp8" and self.head_dim in GLUON_HEAD_DIMS
-                and self.num_q_heads // self.num_kv_heads <= GLUON_MAX_GROUP and BLOCK_SIZE == 16):
-            return "gluon"
+        if gluon and self.fmt is not None and self.fmt.kind == "fp8":
+            # what the Gluon kernel takes is its own to say (`gluon` means it imports here)
+            from kvpolicy.kernels import decode_gluon as dg
+
+            if self.head_dim in dg.HEAD_DIMS and self.num_q_heads // self.num_kv_heads <= dg.MAX_GROUP and BLOCK_SIZE == dg.PAGE:
+                return "gluon"
         return "triton"
 
 

@@ -13,7 +13,6 @@ which, and the results report it.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -55,23 +54,18 @@ def store(cache: LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torc
     ref_store_kv(key, value, cache.key_cache, cache.value_cache, slots, cache.k_scale, cache.v_scale)
 
 
-@functools.lru_cache(maxsize=None)
-def _gluon_on(device_type: str, index: int | None) -> bool:
-    if device_type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device()) != (9, 0):
-        return False
-    try:
-        import kvpolicy.kernels.decode_gluon  # noqa: F401
-    except ImportError:  # a Triton without this Gluon API: the Triton kernel serves FP8 too
-        return False
-    return True
+def _gluon_on(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False  # before importing the kernels: the CPU runtime needs no Triton
+    from kvpolicy.kernels.decode_attention import gluon_runs_on
+
+    return gluon_runs_on(device)[0]
 
 
 def gluon_available(device: torch.device) -> bool:
-    """Whether FP8 layers decode with the Gluon kernel here: an sm_90 GPU, a Triton with its Gluon API,
-    and `KVPOLICY_GLUON` not set to 0."""
-    return os.environ.get("KVPOLICY_GLUON", "1") != "0" and _gluon_on(device.type, device.index)
+    """Whether FP8 layers decode with the Gluon kernel here: an sm_90 GPU, a Triton with its Gluon API
+    (`decode_attention.gluon_runs_on`), and `KVPOLICY_GLUON` not set to 0."""
+    return os.environ.get("KVPOLICY_GLUON", "1") != "0" and _gluon_on(device)
 
 
 def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables: torch.Tensor,

@@ -181,6 +181,18 @@ def _tq_row(fmt: str) -> dict[str, Any]:
     return {"kv_cache_dtype": fmt, "allocate": allocate, "store": store, "decode": decode}
 
 
+def _tq_gl_row(fmt: str) -> dict[str, Any]:
+    """The Gluon TurboQuant kernel (kernels/tq_gluon.py; Hopper, k8v4 and 4bit_nc) on the same packed cache."""
+    row = dict(_tq_row(fmt))
+
+    def decode(cache: torch.Tensor, query, block_tables, seq_lens, sinks, **kwargs) -> torch.Tensor:
+        opts = {k: v for k, v in kwargs.items() if k in ("out", "num_splits", "sm_scale", "sliding_window")}
+        return decode_attention_tq(query, cache, block_tables, seq_lens, fmt, sinks=sinks, kernel="gluon", **opts)
+
+    row["decode"] = decode
+    return row
+
+
 FORMATS: dict[str, dict[str, Any]] = {
     "bf16": _paged_row("bf16", "bfloat16", per_head_scales=False),
     "fp8": _paged_row("fp8", "fp8", per_head_scales=True),
@@ -192,7 +204,10 @@ FORMATS: dict[str, dict[str, Any]] = {
     "fp8_gl": _paged_row("fp8_gl", "fp8", per_head_scales=True, fp8_query=True, kernel="gluon"),
     "fp8_gl_hnd": _paged_row("fp8_gl_hnd", "fp8", per_head_scales=True, layout="HND", fp8_query=True, kernel="gluon"),
     **{fmt: _tq_row(fmt) for fmt in TQ_FORMATS},
+    **{f"{fmt}_gl": _tq_gl_row(fmt) for fmt in ("turboquant_k8v4", "turboquant_4bit_nc")},
 }
+GLUON_ROWS = {n for n in FORMATS if n.endswith("_gl") or n.startswith("fp8_gl")}
+"""Rows of the Gluon kernels (sm_90 only)."""
 SDPA_COLUMNS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
 GLUON_VARIANTS = {
     "fp8_gl 2L-on 1-split": ("fp8_gl", dict(two_level=True, num_splits=1)),
@@ -406,9 +421,9 @@ def tune(device, log: dict, formats: list[str]) -> None:
 
 def speed_table(args, device, log: dict, save: Callable[[], None]) -> list[dict]:
     rows = {n: FORMATS[n] for n in args.formats if n in FORMATS}
-    if not gluon_rows_apply(device) and any(n.startswith("fp8_gl") for n in rows):
-        print("  (fp8_gl rows skipped: the Gluon kernel runs on sm_90 only)")
-        rows = {n: r for n, r in rows.items() if not n.startswith("fp8_gl")}
+    if not gluon_rows_apply(device) and any(n in GLUON_ROWS for n in rows):
+        print("  (Gluon rows skipped: the Gluon kernels run on sm_90 only)")
+        rows = {n: r for n, r in rows.items() if n not in GLUON_ROWS}
     sdpa_cols = [n for n in args.formats if n in SDPA_COLUMNS]
     records = []
     for gname in args.geometries:

@@ -435,7 +435,7 @@ def decode_attention_tq(
     *, sm_scale: float | None = None, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int = 2, use_asm: bool | None = None, prefetch: bool | None = None,
-    maxnreg: int | None = None, out: torch.Tensor | None = None,
+    maxnreg: int | None = None, out: torch.Tensor | None = None, kernel: str = "triton",
 ) -> torch.Tensor:
     """Decode attention of `query` [B, Hq, D] over a packed TurboQuant cache; returns [B, Hq, D] in query's dtype.
 
@@ -446,7 +446,12 @@ def decode_attention_tq(
     register-LUT unpackers (default on a GPU; the interpreter runs the
     equivalent pure-Triton path). `maxnreg` caps the registers per thread (more
     resident programs, possibly spills). `out` (optional) receives the result.
+    `kernel`: "triton" (this module's kernel), "gluon" (`tq_gluon`: Hopper, k8v4 and 4bit_nc; raises
+    ValueError saying why where it does not apply) or "auto" (Gluon where it applies, else Triton).
+    The tiling arguments are the Triton kernel's: with any of them set, "auto" picks Triton.
     """
+    if kernel not in ("triton", "gluon", "auto"):
+        raise ValueError(f"kernel must be 'triton', 'gluon' or 'auto', got {kernel!r}")
     if query.dim() != 3:
         raise ValueError(f"query must be [batch, q_heads, head_dim]; got {tuple(query.shape)}")
     bsz, hq, d = query.shape
@@ -467,6 +472,13 @@ def decode_attention_tq(
         raise ValueError(f"sinks must be [{hq}]; got {tuple(sinks.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if kernel != "triton":
+        why = _gluon_refusal(query, cache, fmt, (block_n, num_warps, prefetch, maxnreg, use_asm))
+        if not why:
+            return _decode_gluon(query, cache, block_tables, seq_lens, fmt, sm_scale=sm_scale,
+                                 sliding_window=sliding_window, sinks=sinks, num_splits=num_splits, out=out)
+        if kernel == "gluon":
+            raise ValueError(f"kernel='gluon' cannot decode this call: {why}")
     tiling = default_tiling(lay.key_bits, d)
     if (block_n, num_warps, prefetch, maxnreg) == (None, None, None, None):
         maxnreg = tiling.maxnreg  # the register cap was tuned for the default tile only
@@ -523,3 +535,49 @@ def decode_attention_tq(
             HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
+
+
+def _gluon_refusal(query: torch.Tensor, cache: torch.Tensor, fmt: str, triton_args: tuple) -> str:
+    """Why the Gluon kernel (`tq_gluon`) cannot take this call; "" when it can."""
+    if any(a is not None for a in triton_args):
+        return "block_n, num_warps, prefetch, maxnreg and use_asm are the Triton kernel's"
+    from kvpolicy.kernels import tq_gluon
+    from kvpolicy.kernels.decode_attention import gluon_runs_on
+
+    ok, why = tq_gluon.supported(query, cache, fmt)
+    if ok:
+        ok, why = gluon_runs_on(query.device)
+    return "" if ok else why
+
+
+def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, sm_scale, sliding_window, sinks, num_splits,
+                  out) -> torch.Tensor:
+    from kvpolicy.kernels import tq_gluon
+    from kvpolicy.kernels.decode_attention import _span
+
+    bsz, hq, d = query.shape
+    hkv = cache.shape[2]
+    lay = tq_layout(fmt, d)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    cfg = tq_gluon.default_config(d)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dimension; got {tuple(out.shape)}")
+    if num_splits is None:
+        span = _span(block_tables, cache.shape[1], sliding_window, cfg.block_n)
+        num_splits = split_count(bsz, hkv, span, cfg.block_n,
+                                 tq_gluon.programs_per_sm(d, query.device, cfg), query.device, waves=())
+    if lay.key_fp8:
+        q16, q_scale = query, scale * LOG2E  # FP8 keys are not rotated
+    else:
+        group = hq // hkv
+        q16 = torch.empty((bsz, hq, d), dtype=torch.float16, device=query.device)
+        _tq_rotate_query_kernel[(bsz * hkv,)](
+            query, kernel_tables(fmt, d, cache.device)["rot_t_sign_f16"], q16, scale * LOG2E, 1.0 / d,
+            query.stride(0), query.stride(1), NUM_KV=hkv, GROUP=group, HEAD_DIM=d,
+            BLOCK_M=max(16, triton.next_power_of_2(group)), num_warps=4)
+        q_scale = 1.0
+    return tq_gluon.decode_tq_gluon(query, q16, q_scale, cache, fmt, block_tables, seq_lens,
+                                    sliding_window=sliding_window, sinks=sinks, splits=num_splits, out=out,
+                                    config=cfg)

@@ -380,6 +380,15 @@ def v4_program() -> list[PtxOp]:
     ]
 
 
+def v4_pairs_program() -> list[PtxOp]:
+    """`v4_program` for two 16-bit elements per register (bytes B0 B1 | B2 B3): out $0 = low nibbles of
+    (B0, B2), $1 = of (B1, B3), $2 and $3 = 16 x their high nibbles, so that output k holds byte k of
+    each element (the Gluon kernel loads value codes as int16 and joins the outputs back in order)."""
+    prog = v4_program()
+    swap = {0x4140: 0x4240, 0x4342: 0x4341}
+    return [(op[0], op[1], op[2], op[3], swap[op[4]]) if op[0] == "prmt" else op for op in prog]
+
+
 def v3_program() -> list[PtxOp]:
     """3-bit value codes: in $8 = 2-bit plane bytes, $9 = high-bit bytes (quarter s at bit 2s);
     out quarter s = 4^s * code in ($2s, $2s+1), exact fp16: the code's bits stay where they are."""

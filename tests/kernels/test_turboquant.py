@@ -35,6 +35,7 @@ from kvpolicy.kernels.turboquant import (
     tq_layout,
     turboquant_mse_bound,
     v3_program,
+    v4_pairs_program,
     v4_program,
 )
 
@@ -222,6 +223,19 @@ def test_v4_program_gives_codes() -> None:
     b = _bytes(x)
     assert torch.equal(lo.double(), (b & 15).double())
     assert torch.equal(hi.double(), 16.0 * (b >> 4).double())
+
+
+def test_v4_pairs_program_gives_codes_per_16_bit_element() -> None:
+    """Output k of the pairs program holds byte k (of 2) of each 16-bit element: (B0, B2), (B1, B3)."""
+    x = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    regs = emulate_ptx(v4_pairs_program(), {"$4": x})
+    b = _bytes(x)
+    for k in range(2):
+        lo, hi = _f16_lanes(regs[f"${k}"]), _f16_lanes(regs[f"${k + 2}"])
+        for e in range(2):
+            byte = b[:, 2 * e + k]
+            assert torch.equal(lo[e].double(), (byte & 15).double()), f"low nibble, byte {k} of element {e}"
+            assert torch.equal(hi[e].double(), 16.0 * (byte >> 4).double()), f"high nibble, byte {k} of element {e}"
 
 
 def test_v3_program_gives_codes() -> None:

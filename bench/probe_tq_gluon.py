@@ -1,0 +1,93 @@
+"""Sweep the Gluon TurboQuant kernel's knobs (tile, stages, register cap, split count) against the Triton
+TurboQuant kernel and cuDNN BF16 SDPA, on the issue-5 geometries, all measured in the same run on the same
+caches; each config's output is checked against the Triton kernel's. GPU only (sm_90).
+
+Usage: python bench/probe_tq_gluon.py [--formats turboquant_4bit_nc,turboquant_k8v4] [--contexts 32768,131072]
+       [--batch 1,8] [--block-n 64,128] [--maxnreg 0,128] [--split-scale 1,2] [--out JSON]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import FORMATS, GEOMETRIES, build_case, kv_bytes, rel_err, sdpa_call, time_calls
+from kvpolicy.kernels import tq_gluon as tg
+from kvpolicy.kernels.decode_attention import split_count
+from kvpolicy.kernels.tq_decode import decode_attention_tq
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default="turboquant_4bit_nc,turboquant_k8v4")
+    p.add_argument("--geometries", default=",".join(GEOMETRIES))
+    p.add_argument("--contexts", default="32768,131072")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--maxnreg", default="0", help="register caps to try (0: none)")
+    p.add_argument("--block-n", default="64,128")
+    p.add_argument("--split-scale", default="1,2")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    fmts = args.formats.split(",")
+    rows = {n: FORMATS[n] for n in fmts}
+    results = []
+    for gname in args.geometries.split(","):
+        geom = GEOMETRIES[gname]
+        for batch in map(int, args.batch.split(",")):
+            for ctx in map(int, args.contexts.split(",")):
+                torch.manual_seed(0)
+                case = build_case(geom, batch, ctx, rows, sdpa=True, copies=2, device=dev)
+                tables, q, sl = case["tables"], case["query"], case["seq_lens"]
+                base = {"sdpa_cudnn": time_calls([sdpa_call(case, geom, c, SDPBackend.CUDNN_ATTENTION, "folded")
+                                                  for c in range(2)])}
+                for fmt in fmts:
+                    cache = case["caches"][fmt]
+                    calls = [lambda c=c, f=fmt, cache=cache: FORMATS[f]["decode"](cache, q, tables[c], sl, case["sinks"])
+                             for c in range(2)]
+                    base[fmt] = time_calls(calls)
+                print(f"{gname} b{batch} {ctx}: " + ", ".join(f"{k} {v:.1f}us" for k, v in base.items()), flush=True)
+                for fmt in fmts:
+                    cache = case["caches"][fmt]
+                    nbytes = kv_bytes(FORMATS[fmt], geom, batch, ctx)
+                    want = FORMATS[fmt]["decode"](cache, q, tables[0], sl, case["sinks"]).float()
+                    for maxnreg, block_n in itertools.product(map(int, args.maxnreg.split(",")),
+                                                              map(int, args.block_n.split(","))):
+                        cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None)
+                        res = tg.programs_per_sm(geom.head_dim, dev, cfg)
+                        default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev, waves=())
+                        tg.default_config = lambda head_dim, cfg=cfg: cfg  # noqa: E731 - the router reads it
+                        for scale in map(float, args.split_scale.split(",")):
+                            splits = max(1, int(default * scale))
+                            try:
+                                err = rel_err(decode_attention_tq(q, cache, tables[0], sl, fmt, sinks=case["sinks"],
+                                                                  num_splits=splits, kernel="gluon").float(), want)
+                                us = time_calls([lambda c=c: decode_attention_tq(q, cache, tables[c], sl, fmt, sinks=case["sinks"],
+                                                                                 num_splits=splits, kernel="gluon")
+                                                 for c in range(2)])
+                            except Exception as exc:  # noqa: BLE001 - a config that fails is reported, not fatal
+                                print(f"  {fmt} {cfg} splits={splits}: {type(exc).__name__} {str(exc)[:300]}")
+                                continue
+                            results.append({"geometry": gname, "batch": batch, "context": ctx, "format": fmt,
+                                            "maxnreg": maxnreg, "block_n": block_n, "resident": res,
+                                            "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
+                                            "baselines": base})
+                            print(f"  {fmt}_gl block_n={block_n} maxnreg={maxnreg} resident={res} "
+                                  f"splits={splits}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s; vs Triton "
+                                  f"{base[fmt] / us:.2f}x; err vs Triton {err:.1e})", flush=True)
+                del case
+                torch.cuda.empty_cache()
+    out = args.out or (os.path.join(os.environ["OUT"], "probe_tq_gluon.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as fh:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -45,7 +45,7 @@ from kvpolicy.kernels.paged_store import allocate_cache, compute_kv_scales, stor
 from kvpolicy.kernels.reference import ref_decode_attention
 from kvpolicy.kernels.tq_decode import decode_attention_tq
 from kvpolicy.kernels.tq_store import store_kv_tq
-from kvpolicy.kernels.turboquant import TQ_FORMATS, allocate_tq_cache
+from kvpolicy.kernels.turboquant import TQ_FORMATS, allocate_tq_cache, allocate_tq_planar_cache
 from kvpolicy.runtime.fit import break_even_tokens, fit_line
 
 BLOCK_SIZE = 16
@@ -182,8 +182,14 @@ def _tq_row(fmt: str) -> dict[str, Any]:
 
 
 def _tq_gl_row(fmt: str) -> dict[str, Any]:
-    """The Gluon TurboQuant kernel (kernels/tq_gluon.py; Hopper, k8v4 and 4bit_nc) on the same packed cache."""
+    """The Gluon TurboQuant kernel (kernels/tq_gluon.py; Hopper, k8v4 and 4bit_nc) on a planar cache: the same
+    bytes per token, each KV head's page in 16-byte aligned planes (turboquant.py)."""
     row = dict(_tq_row(fmt))
+
+    def allocate(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+        return allocate_tq_planar_cache(num_blocks, block_size, num_kv_heads, head_dim, fmt, device)
+
+    row["allocate"] = allocate
 
     def decode(cache: torch.Tensor, query, block_tables, seq_lens, sinks, **kwargs) -> torch.Tensor:
         opts = {k: v for k, v in kwargs.items() if k in ("out", "num_splits", "sm_scale", "sliding_window")}

@@ -21,6 +21,7 @@ from bench_decode import FORMATS, GEOMETRIES, build_case, kv_bytes, rel_err, sdp
 from kvpolicy.kernels import tq_gluon as tg
 from kvpolicy.kernels.decode_attention import split_count
 from kvpolicy.kernels.tq_decode import decode_attention_tq
+from kvpolicy.kernels.turboquant import planar_from_slots
 
 
 def main() -> None:
@@ -54,9 +55,10 @@ def main() -> None:
                     base[fmt] = time_calls(calls)
                 print(f"{gname} b{batch} {ctx}: " + ", ".join(f"{k} {v:.1f}us" for k, v in base.items()), flush=True)
                 for fmt in fmts:
-                    cache = case["caches"][fmt]
                     nbytes = kv_bytes(FORMATS[fmt], geom, batch, ctx)
-                    want = FORMATS[fmt]["decode"](cache, q, tables[0], sl, case["sinks"]).float()
+                    want = FORMATS[fmt]["decode"](case["caches"][fmt], q, tables[0], sl, case["sinks"]).float()
+                    # the Gluon kernel reads the planar layout of the same bytes
+                    cache = planar_from_slots(case["caches"][fmt], fmt, geom.head_dim)
                     for maxnreg, block_n in itertools.product(map(int, args.maxnreg.split(",")),
                                                               map(int, args.block_n.split(","))):
                         cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None)
@@ -81,6 +83,7 @@ def main() -> None:
                             print(f"  {fmt}_gl block_n={block_n} maxnreg={maxnreg} resident={res} "
                                   f"splits={splits}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s; vs Triton "
                                   f"{base[fmt] / us:.2f}x; err vs Triton {err:.1e})", flush=True)
+                    del cache
                 del case
                 torch.cuda.empty_cache()
     out = args.out or (os.path.join(os.environ["OUT"], "probe_tq_gluon.json") if os.environ.get("OUT") else None)

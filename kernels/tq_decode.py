@@ -456,10 +456,13 @@ def decode_attention_tq(
         raise ValueError(f"query must be [batch, q_heads, head_dim]; got {tuple(query.shape)}")
     bsz, hq, d = query.shape
     lay = tq_layout(fmt, d)
-    if cache.dtype != torch.uint8 or cache.dim() != 4 or cache.shape[3] != lay.slot_bytes:
-        raise ValueError(f"{fmt}: cache must be uint8 [blocks, block_size, kv_heads, {lay.slot_bytes}]; got "
-                         f"{cache.dtype} {tuple(cache.shape)}")
-    hkv = cache.shape[2]
+    planar = cache.dim() == 3  # turboquant.allocate_tq_planar_cache: [blocks, kv_heads, 16 * slot_bytes]
+    if cache.dtype != torch.uint8 or not (
+            (cache.dim() == 4 and cache.shape[3] == lay.slot_bytes)
+            or (planar and cache.shape[2] == 16 * lay.slot_bytes)):
+        raise ValueError(f"{fmt}: cache must be uint8 [blocks, block_size, kv_heads, {lay.slot_bytes}], or planar "
+                         f"[blocks, kv_heads, {16 * lay.slot_bytes}]; got {cache.dtype} {tuple(cache.shape)}")
+    hkv = cache.shape[1] if planar else cache.shape[2]
     if hq % hkv:
         raise ValueError(f"q_heads {hq} is not a multiple of kv_heads {hkv}")
     if not cache.is_contiguous():
@@ -477,8 +480,11 @@ def decode_attention_tq(
         if not why:
             return _decode_gluon(query, cache, block_tables, seq_lens, fmt, sm_scale=sm_scale,
                                  sliding_window=sliding_window, sinks=sinks, num_splits=num_splits, out=out)
-        if kernel == "gluon":
-            raise ValueError(f"kernel='gluon' cannot decode this call: {why}")
+        if kernel == "gluon" or planar:
+            raise ValueError(f"kernel={kernel!r} cannot decode this call: {why}")
+    if planar:
+        raise ValueError("a planar cache is read by the Gluon kernel only (kernel='gluon' or 'auto', on an sm_90 "
+                         "GPU); the Triton kernel reads the slot layout [blocks, block_size, kv_heads, slot_bytes]")
     tiling = default_tiling(lay.key_bits, d)
     if (block_n, num_warps, prefetch, maxnreg) == (None, None, None, None):
         maxnreg = tiling.maxnreg  # the register cap was tuned for the default tile only
@@ -556,7 +562,7 @@ def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, sm_scale, slidin
     from kvpolicy.kernels.decode_attention import _span
 
     bsz, hq, d = query.shape
-    hkv = cache.shape[2]
+    hkv = cache.shape[1]
     lay = tq_layout(fmt, d)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     cfg = tq_gluon.default_config(d)
@@ -565,7 +571,7 @@ def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, sm_scale, slidin
     elif out.shape != query.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dimension; got {tuple(out.shape)}")
     if num_splits is None:
-        span = _span(block_tables, cache.shape[1], sliding_window, cfg.block_n)
+        span = _span(block_tables, tq_gluon.PAGE, sliding_window, cfg.block_n)
         num_splits = split_count(bsz, hkv, span, cfg.block_n,
                                  tq_gluon.programs_per_sm(d, query.device, cfg), query.device, waves=())
     if lay.key_fp8:

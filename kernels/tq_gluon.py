@@ -1,31 +1,36 @@
-"""Hopper TurboQuant decode in Gluon: keys unpacked into the score wgmma's register operand, tokens as M.
+"""Hopper TurboQuant decode in Gluon, on planar pages: keys unpacked into the score wgmma's register operand.
 
-An experiment against the Triton kernel (`tq_decode.py`), which is issue-bound (bench/NOTES_TQ.md):
-per (token, KV head) it spends 45-53 warp-instructions, a quarter on byte shuffles that bring codes
-into `tl.dot`'s operand layout and a quarter on the softmax of 16 padded MMA rows. Here, with explicit
-layouts:
-- key bytes load from global memory straight into the register layout of the wgmma A operand (the
-  tile's tokens as M), are unpacked there by the Triton kernel's PTX programs (sign-magnitude 4-bit
-  look-ups, or e4m3 -> fp16 for k8v4) and multiplied by the rotated query in shared memory: the
-  dequantized keys never leave registers;
-- value codes load as int16 pairs, become exact fp16 integers (`v4_pairs_program`) in shared memory;
-  the per-token scale folds into P and the zero point into a per-column sum; O^T = codes^T.(P*scale)^T
-  is an fp16 wgmma, summed per tile in fp32 registers;
-- the softmax runs on [tile, 8] (the GQA group padded to 8, not 16) over 128 threads;
-- the bytes of tile i+1 load while tile i is computed, the page ids of tile i+2 a step earlier.
-No TMA: a TMA copy must start on a 16-byte boundary (bench/probe_tma_alignment.py), and a head's slot in
-vLLM's NHD page starts at h x slot bytes (134 or 196 at head_dim 128), a multiple of 2 only.
+Why a second kernel: the Triton kernel (`tq_decode.py`) is issue-bound (bench/NOTES_TQ.md): per
+(token, KV head) slot it spends 45-53 warp-instructions, a quarter of them on byte shuffles that bring
+2-byte-aligned slot bytes into `tl.dot`'s operand layout, a quarter on the softmax of 16 padded MMA
+rows. This kernel, with explicit layouts:
+- reads planar pages (`turboquant.allocate_tq_planar_cache`: the same bytes per token as vLLM's
+  slots, each KV head's page in planes that start on 16-byte boundaries), so every key and value
+  load is a 16-byte load of whole 32-bit code words;
+- unpacks the key words with the Triton kernel's PTX look-up (sign-magnitude 4-bit centroids; e4m3
+  -> fp16 for k8v4) into fp16 halves that *are* the register A operand of an fp16 wgmma with the
+  tile's tokens as M: each thread's quarter of a key row is relabelled as the operand's K indices
+  (`operand_order`), and the rotated query is stored in that order, so the product is unchanged and
+  the dequantized keys never leave registers;
+- turns value codes into exact fp16 integers in shared memory; the per-token scale folds into P and
+  the zero point into a per-column sum; O^T = codes^T.(P*scale)^T is an fp16 wgmma summed per tile in
+  fp32 registers (two-level);
+- runs the softmax on [tile, 8] (the GQA group padded to 8, not 16) over 128 threads;
+- loads tile i+1 while tile i is computed.
 
-Measured on an H200 (bench/probe_tq_gluon.py, NOTES_TQ.md sixth session): 0.86-1.2x the Triton kernel's
-time, not the step the issue needs; the sm_90 loop still issues ~35 warp-instructions per slot.
+Measured on an H200 (bench/results_decode_h200_tq_gluon.log, NOTES_TQ.md sixth session), slope vs
+cuDNN BF16 at batch 8: Llama layer 4bit_nc 0.596x and k8v4 0.509x (Triton: 0.969x, 0.988x); gpt-oss
+layer 0.778x and 0.653x (Triton: 1.219x, 1.230x).
 
 Scope: `turboquant_k8v4` and `turboquant_4bit_nc`, head_dim 64 or 128, GQA groups up to 8, 16-token
-pages of a contiguous NHD cache, sm_90. Gluon does not run under the interpreter: this kernel is
-tested on the GPU only (tests/kernels/test_tq_gluon.py), against the same float64 reference.
+planar pages, sm_90. `decode_attention_tq` routes planar caches here; the runtime allocates them on
+Hopper (`LayerPlan.kernel_path`). Gluon does not run under the interpreter: this kernel is tested
+on the GPU only (tests/kernels/test_tq_gluon.py), against the same float64 reference.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +39,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kvpolicy.kernels.turboquant import k4_program, render_ptx, tq_layout, v4_pairs_program
+from kvpolicy.kernels.turboquant import field_planes, k4_program, render_ptx_halves, tq_layout, v4_program
 
 PAGE = 16
 """Page size (vLLM's default block size)."""
@@ -45,70 +50,134 @@ MAX_GROUP = 8
 FORMATS = ("turboquant_k8v4", "turboquant_4bit_nc")
 """Formats it decodes (4-bit values; FP8 or 4-bit sign-magnitude keys)."""
 
-_K4_ASM = gl.constexpr(render_ptx(k4_program()))
-_V4_ASM = gl.constexpr(render_ptx(v4_pairs_program()))
+# Unpack programs on whole 32-bit words (4 code bytes), results as fp16 halves: no byte shuffles around them.
+_K4_ASM = gl.constexpr(render_ptx_halves(k4_program(), 4))  # lo centroids of bytes 0-3, then hi
+_V4_ASM = gl.constexpr(render_ptx_halves(v4_program(), 4))  # low nibbles of bytes 0-3, then 16 x high
+_FP8_ASM = gl.constexpr("""{
+.reg .b16 a, b;
+.reg .b32 x, y;
+mov.b32 {a, b}, $4;
+cvt.rn.f16x2.e4m3x2 x, a;
+cvt.rn.f16x2.e4m3x2 y, b;
+mov.b32 {$0, $1}, x;
+mov.b32 {$2, $3}, y;
+}""")
 
-# Layouts (one warpgroup, 4 warps). S^T [BN, 8] and O^T [D, 8] are wgmma accumulators with the tile's
-# tokens (or the head dim) as M; keys are the A operand of the score wgmma, straight from registers.
+# One warpgroup (4 warps). S^T [BN, 8] and O^T [D, 8] are wgmma accumulators with the tile's tokens (or the
+# head dim) as M; keys are the A operand of the score wgmma, straight from registers.
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]))
 A_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT.value, k_width=2))
 ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
 
 
+def key_layout(block_n: int, key_bytes: int) -> gl.DistributedLinearLayout:
+    """Register layout of a tile's key code words [block_n, key_bytes / 4] (int32) in memory order: each
+    thread holds a contiguous quarter of a row (one or two 16-byte loads) for the rows the wgmma A operand
+    gives it (r, r + 8 of its warp's 16, and + 64 for 128-token tiles). `_to_operand` relabels the
+    unpacked values as that operand."""
+    cw = key_bytes // 16  # words per thread per row
+    reg = [[0, 1 << k] for k in range(cw.bit_length() - 1)] + [[8, 0]] + ([[64, 0]] if block_n == 128 else [])
+    lanes = [[0, cw], [0, 2 * cw], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lanes, warp_bases=[[16, 0], [32, 0]], block_bases=[],
+                                      shape=[block_n, key_bytes // 4])
+
+
+def value_layout(value_bytes: int) -> gl.BlockedLayout:
+    """Register layout of a tile's value code words [block_n, value_bytes / 4]: 16 bytes per thread."""
+    return gl.BlockedLayout([1, 4], [32 // (value_bytes // 16), value_bytes // 16], [4, 1], [1, 0])
+
+
+def operand_order(key_bytes: int) -> torch.Tensor:
+    """The coordinate (byte of the key row) at each K index of the score wgmma: thread c of a quad holds
+    bytes [c * w, (c + 1) * w) of a row (w = key_bytes / 4), and the operand wants K indices
+    16i + {2c, 2c + 1, 2c + 8, 2c + 9}; so K index 16i + 8a + 2c + b holds byte c * w + 4i + 2a + b.
+    The query is stored in this order too, so the product is unchanged."""
+    k = torch.arange(key_bytes)
+    i, a, c, b = k >> 4, (k >> 3) & 1, (k >> 1) & 3, k & 1
+    return c * (key_bytes // 4) + 4 * i + 2 * a + b
+
+
 @gluon.jit
-def _slot_base(bt_row, tile, seq_len, kvh, L: gl.constexpr, BN: gl.constexpr, SLOT: gl.constexpr,
+def _bytes_order(h0, h1, h2, h3, BN: gl.constexpr, W: gl.constexpr):
+    """Four [BN, W] tensors holding the values of bytes 0-3 of each word -> one [BN, 4W] tensor in byte order.
+    `join` adds its new axis last, so the outer join picks the lowest bit of the byte index."""
+    return gl.reshape(gl.join(gl.join(h0, h2), gl.join(h1, h3)), [BN, 4 * W])
+
+
+@gluon.jit
+def _to_operand(x, BN: gl.constexpr, KB: gl.constexpr):
+    """Relabel a [BN, KB] tile (byte order, from `key_layout` words) as K indices of the A operand
+    (`operand_order`): a register permutation, no data movement."""
+    y = gl.reshape(x, [BN, 4, KB // 16, 2, 2])
+    y = gl.permute(y, (0, 2, 3, 1, 4))
+    return gl.convert_layout(gl.reshape(y, [BN, KB]), A_LAYOUT)
+
+
+@gluon.jit
+def _page_base(bt_row, tile, seq_len, kvh, L: gl.constexpr, BN: gl.constexpr, SLOT: gl.constexpr,
                NUM_KV: gl.constexpr):
-    """Byte offset of each token's slot of tile `tile` (rows of layout L); page 0 past the sequence (masked
-    later; the table may hold anything there)."""
+    """Byte offset of each token's page (this KV head's planar page) for tile `tile` (rows of layout L), and
+    the token's row in it; page 0 past the sequence (masked later; the table may hold anything there)."""
     t = tile * BN + gl.arange(0, BN, layout=L)
     page = gl.load(bt_row + t // 16, mask=t < seq_len, other=0)
-    return page.to(gl.int64) * (16 * NUM_KV * SLOT) + ((t % 16) * NUM_KV + kvh) * SLOT
+    return (page.to(gl.int64) * NUM_KV + kvh) * (16 * SLOT), t % 16
 
 
 @gluon.jit
-def _load_tile(cache_ptr, cache16_ptr, base_k, base_v, base_f, KW: gl.constexpr, HALF: gl.constexpr,
-               V_OFF: gl.constexpr, KNORM_OFF: gl.constexpr, VSCALE_OFF: gl.constexpr, VZERO_OFF: gl.constexpr,
-               KEY_FP8: gl.constexpr, V_LAYOUT: gl.constexpr):
-    """The packed bytes of one tile, each in the register layout its consumer wants: key bytes in the wgmma
-    A layout, value codes as int16 pairs, the fp16 fields in the score rows' layout."""
-    kc = gl.load(cache_ptr + base_k[:, None] + gl.arange(0, KW, layout=gl.SliceLayout(0, A_LAYOUT))[None, :])
-    cols_v = gl.arange(0, HALF // 2, layout=gl.SliceLayout(0, V_LAYOUT))
-    vc = gl.load(cache16_ptr + (base_v // 2)[:, None] + (V_OFF // 2 + cols_v)[None, :])
-    f = cache16_ptr + base_f // 2
-    knorm = gl.full(base_f.shape, 1.0, gl.float32, layout=ROW_S)
+def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.constexpr, SLOT: gl.constexpr,
+               NUM_KV: gl.constexpr, KB: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr, KEY_FP8: gl.constexpr,
+               K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
+    """The packed bytes of one tile from planar pages, each in the register layout its consumer wants: key
+    bytes for the wgmma A operand (16-byte loads), value codes for the fp16 store, the fp16 fields in the
+    score rows' layout."""
+    pk, rk = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, K_LAYOUT), BN, SLOT, NUM_KV)
+    kc = gl.load(cache32_ptr + ((pk + rk * KB) // 4)[:, None]
+                 + gl.arange(0, KB // 4, layout=gl.SliceLayout(0, K_LAYOUT))[None, :])
+    pv, rv = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, V_LAYOUT), BN, SLOT, NUM_KV)
+    vc = gl.load(cache32_ptr + ((pv + 16 * KB + rv * VB) // 4)[:, None]
+                 + gl.arange(0, VB // 4, layout=gl.SliceLayout(0, V_LAYOUT))[None, :])
+    pf, rf = _page_base(bt_row, tile, seq_len, kvh, ROW_S, BN, SLOT, NUM_KV)
+    f = cache16_ptr + (pf + 16 * (KB + VB)) // 2 + rf  # plane k of the fields: + 16 k
+    knorm = gl.full([BN], 1.0, gl.float32, layout=ROW_S)
     if not KEY_FP8:
-        knorm = gl.load(f + KNORM_OFF // 2).to(gl.float16, bitcast=True).to(gl.float32)
-    vscale = gl.load(f + VSCALE_OFF // 2).to(gl.float16, bitcast=True).to(gl.float32)
-    vzero = gl.load(f + VZERO_OFF // 2).to(gl.float16, bitcast=True).to(gl.float32)
+        knorm = gl.load(f).to(gl.float16, bitcast=True).to(gl.float32)
+    vscale = gl.load(f + 16 * (NF - 2)).to(gl.float16, bitcast=True).to(gl.float32)
+    vzero = gl.load(f + 16 * (NF - 1)).to(gl.float16, bitcast=True).to(gl.float32)
     return kc, vc, knorm, vscale, vzero
 
 
 @gluon.jit
 def _attend(kc, vc, knorm, vscale, vzero, q_smem, qh_smem, v16_smem, p_smem, m_i, l_part, z_part, acc,
-            tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr, KEY_FP8: gl.constexpr,
-            EDGE: gl.constexpr):
+            tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr, KB: gl.constexpr,
+            KEY_FP8: gl.constexpr, EDGE: gl.constexpr):
     """One tile: keys unpacked in registers into the score wgmma, value codes to fp16 in shared memory,
     online softmax with the value scale folded into P, P.V. Returns the updated state. EDGE: the tile
     reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common path)."""
     HALF: gl.constexpr = HEAD_DIM // 2
     s0 = gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT)
+    W: gl.constexpr = KB // 4
     if KEY_FP8:
-        k16 = kc.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        h0, h1, h2, h3 = gl.inline_asm_elementwise(_FP8_ASM, "=h,=h,=h,=h,r", [kc], dtype=(gl.float16,) * 4,
+                                                   is_pure=True, pack=1)
+        k16 = _to_operand(_bytes_order(h0, h1, h2, h3, BN, W), BN, KB)
         s = warpgroup_mma(k16, q_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
     else:
         # byte j holds coordinate j (low nibble) and j + D/2 (high nibble)
-        k_lo, k_hi = gl.inline_asm_elementwise(_K4_ASM, "=r,=r,=r,=r,r", [kc], dtype=(gl.float16, gl.float16),
-                                               is_pure=True, pack=4)
+        l0, l1, l2, l3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
+            _K4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [kc], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        k_lo = _to_operand(_bytes_order(l0, l1, l2, l3, BN, W), BN, KB)
+        k_hi = _to_operand(_bytes_order(g0, g1, g2, g3, BN, W), BN, KB)
         s = warpgroup_mma(k_lo, q_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
         s = warpgroup_mma(k_hi, qh_smem.permute((1, 0)), s, is_async=True)
 
     # While it runs: value codes to exact fp16 integers. Every warp is past the previous tile's P.V
     # (its wait), so V16 may be rewritten.
     gl.thread_barrier()
-    b0_lo, b1_lo, b0_hi, b1_hi = gl.inline_asm_elementwise(
-        _V4_ASM, "=r,=r,=r,=r,r", [vc], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2)
-    v16_smem.slice(0, HALF, dim=1).store(gl.reshape(gl.join(b0_lo, b1_lo), [BN, HALF]))
-    v16_smem.slice(HALF, HALF, dim=1).store(gl.reshape(gl.join(b0_hi, b1_hi), [BN, HALF]))  # 16 x code
+    l0, l1, l2, l3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
+        _V4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [vc], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    v16_smem.slice(0, HALF, dim=1).store(_bytes_order(l0, l1, l2, l3, BN, HALF // 4))
+    # 16 x code: the high nibble stayed in place
+    v16_smem.slice(HALF, HALF, dim=1).store(_bytes_order(g0, g1, g2, g3, BN, HALF // 4))
 
     if KEY_FP8:
         s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k16, q_smem))
@@ -144,27 +213,27 @@ def _attend(kc, vc, knorm, vscale, vzero, q_smem, qh_smem, v16_smem, p_smem, m_i
 
 @gluon.jit
 def _tq_gluon_kernel(
-    q_ptr, cache_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    q_scale, window, num_splits,
+    q_ptr, order_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_out_ptr,
+    part_lse_ptr, q_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr, BN: gl.constexpr,
-    KEY_FP8: gl.constexpr, V_OFF: gl.constexpr, KNORM_OFF: gl.constexpr, VSCALE_OFF: gl.constexpr,
-    VZERO_OFF: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    KEY_FP8: gl.constexpr, NF: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
     seq = gl.program_id(2)
     HALF: gl.constexpr = HEAD_DIM // 2
-    KW: gl.constexpr = HEAD_DIM if KEY_FP8 else HALF  # key bytes per slot, and the K of the score MMA
-    V_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HALF // 16), HALF // 16], [4, 1], [1, 0])
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (KW // 8), KW // 8], [4, 1], [1, 0])
+    KB: gl.constexpr = HEAD_DIM if KEY_FP8 else HALF  # key bytes per token, and the K of each score MMA
+    VB: gl.constexpr = HALF
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (KB // 8), KB // 8], [4, 1], [1, 0])
 
     v16_smem = gl.allocate_shared_memory(gl.float16, [BN, HEAD_DIM],
                                          gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.float16))
     p_smem = gl.allocate_shared_memory(gl.float16, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.float16))
-    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, KW], gl.float16)
-    q_smem = gl.allocate_shared_memory(gl.float16, [8, KW], q_smem_layout)
-    qh_smem = gl.allocate_shared_memory(gl.float16, [8, KW], q_smem_layout)
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, KB], gl.float16)
+    q_smem = gl.allocate_shared_memory(gl.float16, [8, KB], q_smem_layout)
+    qh_smem = gl.allocate_shared_memory(gl.float16, [8, KB], q_smem_layout)
 
     seq_len = gl.load(seq_lens_ptr + seq)
     start = 0
@@ -176,11 +245,12 @@ def _tq_gluon_kernel(
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = gl.minimum(tile_lo + tiles_per_split, end_tile)
 
-    # The GQA group's query (rotated and scaled for centroid keys) in fp16; two halves of the head for
-    # 4-bit keys (byte j of the codes holds coordinates j and j + D/2).
+    # The GQA group's query (rotated and scaled for centroid keys) in fp16, its coordinates in the score
+    # MMA's K order (`operand_order`); two halves of the head for 4-bit keys (byte j of the codes holds
+    # coordinates j and j + D/2).
     offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
-    offs_qd = gl.arange(0, KW, layout=gl.SliceLayout(0, q_layout))
-    q_rows = q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + offs_qd[None, :]
+    order = gl.load(order_ptr + gl.arange(0, KB, layout=gl.SliceLayout(0, q_layout)))
+    q_rows = q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :]
     q_mask = (offs_qh < GROUP)[:, None]
     q_smem.store((gl.load(q_rows, mask=q_mask, other=0.0).to(gl.float32) * q_scale).to(gl.float16))
     if not KEY_FP8:
@@ -193,34 +263,22 @@ def _tq_gluon_kernel(
     z_part = gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT)
     acc = gl.zeros([HEAD_DIM, 8], gl.float32, layout=S_LAYOUT)
 
-    # Software pipeline: the bytes of tile i+1 are loaded while tile i is computed, and the page ids of
-    # tile i+2 one step earlier still (the loads the byte addresses depend on).
+    # Software pipeline: the bytes of tile i+1 load while tile i is computed.
     bt_row = block_tables_ptr + seq * stride_bt
-    RK: gl.constexpr = gl.SliceLayout(1, A_LAYOUT)
-    RV: gl.constexpr = gl.SliceLayout(1, V_LAYOUT)
-    bk = _slot_base(bt_row, tile_lo, seq_len, kvh, RK, BN, SLOT, NUM_KV)
-    bv = _slot_base(bt_row, tile_lo, seq_len, kvh, RV, BN, SLOT, NUM_KV)
-    bf = _slot_base(bt_row, tile_lo, seq_len, kvh, ROW_S, BN, SLOT, NUM_KV)
-    kc, vc, knorm, vscale, vzero = _load_tile(cache_ptr, cache16_ptr, bk, bv, bf, KW, HALF, V_OFF, KNORM_OFF,
-                                              VSCALE_OFF, VZERO_OFF, KEY_FP8, V_LAYOUT)
-    bk = _slot_base(bt_row, tile_lo + 1, seq_len, kvh, RK, BN, SLOT, NUM_KV)
-    bv = _slot_base(bt_row, tile_lo + 1, seq_len, kvh, RV, BN, SLOT, NUM_KV)
-    bf = _slot_base(bt_row, tile_lo + 1, seq_len, kvh, ROW_S, BN, SLOT, NUM_KV)
+    kc, vc, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, bt_row, tile_lo, seq_len, kvh, BN, SLOT,
+                                              NUM_KV, KB, VB, NF, KEY_FP8, K_LAYOUT, V_LAYOUT)
     for tile in range(tile_lo, tile_hi):
-        nkc, nvc, nknorm, nvscale, nvzero = _load_tile(cache_ptr, cache16_ptr, bk, bv, bf, KW, HALF, V_OFF,
-                                                       KNORM_OFF, VSCALE_OFF, VZERO_OFF, KEY_FP8, V_LAYOUT)
-        bk = _slot_base(bt_row, tile + 2, seq_len, kvh, RK, BN, SLOT, NUM_KV)
-        bv = _slot_base(bt_row, tile + 2, seq_len, kvh, RV, BN, SLOT, NUM_KV)
-        bf = _slot_base(bt_row, tile + 2, seq_len, kvh, ROW_S, BN, SLOT, NUM_KV)
+        nkc, nvc, nknorm, nvscale, nvzero = _load_tile(cache32_ptr, cache16_ptr, bt_row, tile + 1, seq_len, kvh, BN,
+                                                       SLOT, NUM_KV, KB, VB, NF, KEY_FP8, K_LAYOUT, V_LAYOUT)
         tile_start = tile * BN
         if (tile_start < start) | (tile_start + BN > seq_len):
             m_i, l_part, z_part, acc = _attend(kc, vc, knorm, vscale, vzero, q_smem, qh_smem, v16_smem, p_smem,
                                                m_i, l_part, z_part, acc, tile_start, seq_len, start, HEAD_DIM, BN,
-                                               KEY_FP8, True)
+                                               KB, KEY_FP8, True)
         else:
             m_i, l_part, z_part, acc = _attend(kc, vc, knorm, vscale, vzero, q_smem, qh_smem, v16_smem, p_smem,
                                                m_i, l_part, z_part, acc, tile_start, seq_len, start, HEAD_DIM, BN,
-                                               KEY_FP8, False)
+                                               KB, KEY_FP8, False)
         kc, vc, knorm, vscale, vzero = nkc, nvc, nknorm, nvscale, nvzero
 
     col: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
@@ -258,16 +316,21 @@ def _tq_gluon_kernel(
 class TQGluonConfig:
     """Launch configuration of the Gluon TurboQuant kernel; `default_config` picks one."""
 
-    block_n: int = 64
+    block_n: int = 128
     """Tokens per tile (64 or 128): the M of the score MMA."""
     maxnreg: int | None = None
-    """Register cap per thread (None: the compiler's choice); lower caps hold more programs per SM."""
+    """Register cap per thread (None: the compiler's choice)."""
 
 
 def default_config(head_dim: int) -> TQGluonConfig:
-    """64-token tiles, no register cap: the sm_90 compile of 128-token tiles needs 255 registers and
-    spills with the next tile's bytes held in registers (bench/probe_tq_gluon.py sweeps both)."""
-    return TQGluonConfig(block_n=64)
+    """The faster tile of bench/probe_tq_gluon.py on an H200 (NOTES_TQ.md, sixth session): 128 tokens at
+    head_dim 128 (Llama layer, batch 8, 128k: 4bit_nc 563 us against 635 for 64; k8v4 487 against 573),
+    64 at head_dim 64 (gpt-oss layer: 4bit_nc 375 us against 405; k8v4 314 against 354)."""
+    return TQGluonConfig(block_n=128 if head_dim >= 128 else 64)
+
+
+REGISTERS = {(64, 64): 96, (64, 128): 160, (128, 64): 152, (128, 128): 255}
+"""Registers per thread of the sm_90 compile (Triton 3.6) by (head_dim, block_n), the larger of the two formats."""
 
 
 def smem_bytes(head_dim: int, cfg: TQGluonConfig) -> int:
@@ -277,27 +340,33 @@ def smem_bytes(head_dim: int, cfg: TQGluonConfig) -> int:
 
 
 def programs_per_sm(head_dim: int, device: torch.device, cfg: TQGluonConfig) -> int:
-    """Programs resident per SM: one warpgroup of `maxnreg` registers (the compile measured ~168 without a
-    cap) and the shared memory."""
+    """Programs resident per SM: one warpgroup with the compile's registers (`REGISTERS`, or the cap) and the
+    shared memory: 2 at head_dim 128 with 128-token tiles, 5 at head_dim 64 with 64-token tiles."""
     from kvpolicy.kernels.decode_attention import resident_programs
 
-    return resident_programs(cfg.maxnreg or 168, smem_bytes(head_dim, cfg), 4, device)
+    regs = cfg.maxnreg or REGISTERS.get((head_dim, cfg.block_n), 255)
+    return resident_programs(regs, smem_bytes(head_dim, cfg), 4, device)
 
 
 def supported(query: torch.Tensor, cache: torch.Tensor, fmt: str) -> tuple[bool, str]:
-    """Whether this kernel decodes these tensors, and if not, why (the caller falls back to Triton; the
-    device is `decode_attention.gluon_runs_on`'s to check)."""
+    """Whether this kernel decodes these tensors, and if not, why (the device is
+    `decode_attention.gluon_runs_on`'s to check)."""
     if fmt not in FORMATS:
         return False, f"it decodes {' and '.join(FORMATS)} only"
-    _, page, heads, _ = cache.shape
     d = query.shape[2]
     if d not in HEAD_DIMS:
         return False, f"head_dim {d}: it takes {' or '.join(map(str, HEAD_DIMS))}"
-    if query.shape[1] // heads > MAX_GROUP:
+    if cache.dim() != 3 or cache.shape[2] != PAGE * tq_layout(fmt, d).slot_bytes or not cache.is_contiguous():
+        return False, (f"it reads planar caches of {PAGE}-token pages (turboquant.allocate_tq_planar_cache), "
+                       f"not {tuple(cache.shape)}")
+    if query.shape[1] // cache.shape[1] > MAX_GROUP:
         return False, f"GQA groups above {MAX_GROUP} query heads per KV head"
-    if page != PAGE:
-        return False, f"it needs {PAGE}-token pages"
     return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def _operand_order_on(key_bytes: int, device: str) -> torch.Tensor:
+    return operand_order(key_bytes).to(torch.int32).to(device)
 
 
 def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
@@ -306,7 +375,7 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
                     config: TQGluonConfig | None = None) -> torch.Tensor:
     """Run the kernel (and the shared merge when split). `q16`: the query the score MMA reads (the
     rotated fp16 query for centroid keys, `query` itself for FP8 keys), times `q_scale` in the kernel.
-    Inputs already validated by `decode_attention_tq` (contiguous cache, 16-token pages)."""
+    Inputs already validated by `decode_attention_tq` and `supported`."""
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
 
     batch, num_q_heads, head_dim = query.shape
@@ -314,15 +383,18 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
     if cfg.block_n not in (64, 128):
         raise ValueError(f"TQGluonConfig: block_n must be 64 or 128, got {cfg}")
     lay = tq_layout(fmt, head_dim)
-    num_kv_heads = cache.shape[2]
+    num_kv_heads = cache.shape[1]
+    kb = lay.key_bytes
+    vb = lay.val_bytes
     part_out, part_lse = split_partials(out, splits)
     _tq_gluon_kernel[(num_kv_heads, splits, batch)](
-        q16, cache, cache.view(torch.int16), block_tables, seq_lens, sinks if sinks is not None else seq_lens,
-        out, part_out, part_lse, float(q_scale), int(sliding_window or 0), splits,
-        q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        q16, _operand_order_on(kb, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
+        sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale), int(sliding_window or 0),
+        splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, SLOT=lay.slot_bytes,
-        BN=cfg.block_n, KEY_FP8=lay.key_fp8, V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0),
-        VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
+        BN=cfg.block_n, KEY_FP8=lay.key_fp8, NF=len(field_planes(fmt, head_dim)),
+        K_LAYOUT=key_layout(cfg.block_n, kb),
+        V_LAYOUT=value_layout(vb),
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and splits == 1,
         IS_SPLIT=splits > 1, num_warps=4, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )

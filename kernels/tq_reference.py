@@ -16,7 +16,9 @@ from kvpolicy.kernels.turboquant import (
     codebook_boundaries,
     hadamard_rotation,
     lloyd_max_codebook,
+    planar_from_slots,
     sign_magnitude_codes,
+    slots_from_planar,
     sorted_index,
     tq_layout,
 )
@@ -164,7 +166,14 @@ def dequantize_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int) -> tuple[
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: str) -> None:
-    """Reference store: pack K/V [T, H, D] into `cache` at `slot_mapping` (negative slots skipped)."""
+    """Reference store: pack K/V [T, H, D] into `cache` at `slot_mapping` (negative slots skipped); a planar
+    cache (`turboquant.planar_from_slots`) is written through its slot view."""
+    if cache.dim() == 3:
+        d = key.shape[-1]
+        slots = slots_from_planar(cache, fmt, d)
+        store_kv_ref(key, value, slots, slot_mapping, fmt)
+        cache.copy_(planar_from_slots(slots, fmt, d))
+        return
     nb, bs, h, sb = cache.shape
     keep = slot_mapping >= 0
     slots = pack_slots_ref(key[keep], value[keep], fmt)
@@ -210,6 +219,8 @@ def decode_attention_tq_ref(
     """Float64 attention over the K/V that a packed TurboQuant cache encodes: [B, Hq, D]."""
     bsz, hq, d = query.shape
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    if cache.dim() == 3:
+        cache = slots_from_planar(cache, fmt, d)
     outs = []
     for b in range(bsz):
         slots = gather_cache_ref(cache, block_tables, int(seq_lens[b]), b)

@@ -28,6 +28,8 @@ def _store_kv_tq_kernel(
     HEAD_DIM: tl.constexpr, SLOT: tl.constexpr, KEY_BITS: tl.constexpr, V_BITS: tl.constexpr,
     V_OFF: tl.constexpr, KNORM_OFF: tl.constexpr, VSCALE_OFF: tl.constexpr, VZERO_OFF: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    # planar pages (turboquant.py): [blocks, kv_heads, PAGE * SLOT], fields in planes
+    PLANAR: tl.constexpr, PAGE: tl.constexpr, NUM_KV: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     # tiling
     BLOCK_T: tl.constexpr,
 ):
@@ -37,8 +39,24 @@ def _store_kv_tq_kernel(
     slot = tl.load(slot_ptr + offs_t, mask=offs_t < num_tokens, other=-1)
     valid = slot >= 0
     # int64: a cache of a long batch is larger than 2 GiB
-    row = slot.to(tl.int64) * row_bytes + head * SLOT
-    row16 = row >> 1  # slots and strides are even, so fp16 fields are 2-byte aligned
+    if PLANAR:
+        blk = slot.to(tl.int64) // PAGE
+        pos = slot.to(tl.int64) % PAGE
+        page = (blk * NUM_KV + head) * (PAGE * SLOT)
+        row = page + pos * KB  # this token's key bytes
+        vrow = page + PAGE * KB + pos * VB
+        # fp16 planes after the value rows; plane f holds field f of the page's tokens
+        f16 = (page + PAGE * (KB + VB)) // 2 + pos
+        KNORM16: tl.constexpr = 0
+        VSCALE16: tl.constexpr = PAGE if KEY_BITS != 8 else 0
+        VZERO16: tl.constexpr = VSCALE16 + PAGE
+    else:
+        row = slot.to(tl.int64) * row_bytes + head * SLOT
+        vrow = row + V_OFF
+        f16 = row >> 1  # slots and strides are even, so fp16 fields are 2-byte aligned
+        KNORM16: tl.constexpr = KNORM_OFF // 2
+        VSCALE16: tl.constexpr = VSCALE_OFF // 2
+        VZERO16: tl.constexpr = VZERO_OFF // 2
     cols = tl.arange(0, HEAD_DIM)
     k_row = key_ptr + offs_t.to(tl.int64)[:, None] * stride_kt + head * stride_kh
     v_row = value_ptr + offs_t.to(tl.int64)[:, None] * stride_vt + head * stride_vh
@@ -84,7 +102,7 @@ def _store_kv_tq_kernel(
             cols_e = tl.arange(0, E)
             tl.store(cache_u8_ptr + row[:, None] + C + cols_e[None, :], plane1.to(tl.uint8), mask=valid[:, None])
         stored = knorm / tl.sqrt(csq)
-        tl.store(cache_f16_ptr + row16 + KNORM_OFF // 2, stored.to(tl.float16), mask=valid)
+        tl.store(cache_f16_ptr + f16 + KNORM16, stored.to(tl.float16), mask=valid)
 
     # ---- values ----
     LEVELS: tl.constexpr = 2**V_BITS - 1
@@ -113,13 +131,13 @@ def _store_kv_tq_kernel(
             hb = tl.reshape((code >> 2) & 1, [BLOCK_T, 2, VE])
             half = tl.arange(0, 2)
             vplane1 = vplane1 | rsum(hb << (half[None, :, None] + 2 * c), axis=1)
-    tl.store(cache_u8_ptr + row[:, None] + V_OFF + cols_v[None, :], vpacked.to(tl.uint8), mask=valid[:, None])
+    tl.store(cache_u8_ptr + vrow[:, None] + cols_v[None, :], vpacked.to(tl.uint8), mask=valid[:, None])
     if V_BITS == 3:
         cols_ve = tl.arange(0, VE)
-        tl.store(cache_u8_ptr + row[:, None] + V_OFF + VC + cols_ve[None, :], vplane1.to(tl.uint8),
+        tl.store(cache_u8_ptr + vrow[:, None] + VC + cols_ve[None, :], vplane1.to(tl.uint8),
                  mask=valid[:, None])
-    tl.store(cache_f16_ptr + row16 + VSCALE_OFF // 2, scale.to(tl.float16), mask=valid)
-    tl.store(cache_f16_ptr + row16 + VZERO_OFF // 2, zero.to(tl.float16), mask=valid)
+    tl.store(cache_f16_ptr + f16 + VSCALE16, scale.to(tl.float16), mask=valid)
+    tl.store(cache_f16_ptr + f16 + VZERO16, zero.to(tl.float16), mask=valid)
 
 
 def store_kv_tq(
@@ -128,15 +146,21 @@ def store_kv_tq(
 ) -> None:
     """Quantize K/V [num_tokens, num_kv_heads, head_dim] and write them into `cache` at `slot_mapping`.
 
-    `cache` is uint8 [num_blocks, block_size, num_kv_heads, slot_bytes] (contiguous);
-    `slot_mapping` int64 [num_tokens] holds block * block_size + offset, negative
+    `cache` is uint8 [num_blocks, block_size, num_kv_heads, slot_bytes] (contiguous), or a
+    planar cache [num_blocks, num_kv_heads, block_size * slot_bytes] (`turboquant.allocate_tq_planar_cache`,
+    block_size 16); `slot_mapping` int64 [num_tokens] holds block * block_size + offset, negative
     entries are skipped. Padding bytes of a slot are left as they were.
     """
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"key/value must both be [tokens, kv_heads, head_dim]; got {tuple(key.shape)} and {tuple(value.shape)}")
     t, h, d = key.shape
     lay = tq_layout(fmt, d)
-    if cache.dtype != torch.uint8 or cache.dim() != 4 or cache.shape[2] != h or cache.shape[3] != lay.slot_bytes:
+    planar = cache.dim() == 3
+    if planar and (cache.dtype != torch.uint8 or cache.shape[1] != h or cache.shape[2] != 16 * lay.slot_bytes):
+        raise ValueError(f"{fmt}: a planar cache must be uint8 [blocks, {h}, {16 * lay.slot_bytes}] (16-token pages); "
+                         f"got {cache.dtype} {tuple(cache.shape)}")
+    if not planar and (cache.dtype != torch.uint8 or cache.dim() != 4 or cache.shape[2] != h
+                       or cache.shape[3] != lay.slot_bytes):
         raise ValueError(
             f"{fmt}: cache must be uint8 [blocks, block_size, {h}, {lay.slot_bytes}]; got {cache.dtype} {tuple(cache.shape)}"
         )
@@ -158,6 +182,7 @@ def store_kv_tq(
         t, key.stride(0), key.stride(1), value.stride(0), value.stride(1), h * lay.slot_bytes,
         HEAD_DIM=d, SLOT=lay.slot_bytes, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits,
         V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0), VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
-        FP8_MAX=FP8_E4M3_MAX,
+        FP8_MAX=FP8_E4M3_MAX, PLANAR=planar, PAGE=16 if planar else cache.shape[1], NUM_KV=h,
+        KB=lay.key_bytes, VB=lay.val_bytes,
         BLOCK_T=block_t, num_warps=num_warps,
     )

@@ -261,6 +261,72 @@ def allocate_tq_cache(
     return torch.empty((num_blocks, block_size, num_kv_heads, lay.slot_bytes), dtype=torch.uint8, device=device)
 
 
+# --- planar pages ------------------------------------------------------------------------
+#
+# A second cache layout with the same bytes per token as vLLM's slots: uint8
+# [num_blocks, num_kv_heads, block_size * slot_bytes], one page of one KV head per
+# row, its fields in planes:
+#
+#     [key rows: block_size x key_bytes | value rows: block_size x val_bytes |
+#      one plane of block_size fp16 per field (key norm, value scale, value zero) | pad]
+#
+# A head's page, and every plane in it, then starts on a 16-byte boundary (block_size 16),
+# which TMA copies and 16-byte vector loads need; a slot of the NHD layout starts at
+# head x slot_bytes, a multiple of 2 only (bench/probe_tma_alignment.py). The Gluon
+# kernel (`tq_gluon.py`) reads this layout, `tq_store.store_kv_tq` writes both.
+
+
+def field_planes(fmt: str, head_dim: int) -> tuple[int, ...]:
+    """Slot offsets of the fp16 fields, in the order of their planes: (key norm,) value scale, value zero."""
+    lay = tq_layout(fmt, head_dim)
+    return ((lay.knorm_off,) if not lay.key_fp8 else ()) + (lay.vscale_off, lay.vzero_off)
+
+
+@functools.lru_cache(maxsize=None)
+def _planar_source(fmt: str, head_dim: int, block_size: int) -> torch.Tensor:
+    """For every byte of a planar page, its source in the page's slots laid out token-major
+    (token * slot_bytes + byte): the permutation between the two layouts."""
+    lay = tq_layout(fmt, head_dim)
+    tok = torch.arange(block_size)
+    parts = [
+        (tok[:, None] * lay.slot_bytes + lay.key_off + torch.arange(lay.key_bytes)[None, :]).reshape(-1),
+        (tok[:, None] * lay.slot_bytes + lay.val_off + torch.arange(lay.val_bytes)[None, :]).reshape(-1),
+    ]
+    for off in field_planes(fmt, head_dim):
+        parts.append((tok[:, None] * lay.slot_bytes + off + torch.arange(2)[None, :]).reshape(-1))
+    used = lay.vscale_off + 4
+    if lay.slot_bytes > used:
+        parts.append((tok[:, None] * lay.slot_bytes + used + torch.arange(lay.slot_bytes - used)[None, :]).reshape(-1))
+    src = torch.cat(parts)
+    assert sorted(src.tolist()) == list(range(block_size * lay.slot_bytes))
+    return src
+
+
+def planar_from_slots(cache: torch.Tensor, fmt: str, head_dim: int) -> torch.Tensor:
+    """The planar layout of an NHD slot cache [blocks, block_size, kv_heads, slot_bytes] (a new tensor)."""
+    nb, bs, h, slot = cache.shape
+    pages = cache.permute(0, 2, 1, 3).reshape(nb, h, bs * slot)
+    return pages[..., _planar_source(fmt, head_dim, bs).to(cache.device)].contiguous()
+
+
+def slots_from_planar(cache: torch.Tensor, fmt: str, head_dim: int, block_size: int = 16) -> torch.Tensor:
+    """The NHD slot layout [blocks, block_size, kv_heads, slot_bytes] of a planar cache (a new tensor)."""
+    nb, h, _ = cache.shape
+    slot = tq_layout(fmt, head_dim).slot_bytes
+    pages = torch.empty_like(cache)
+    pages[..., _planar_source(fmt, head_dim, block_size).to(cache.device)] = cache
+    return pages.view(nb, h, block_size, slot).permute(0, 2, 1, 3).contiguous()
+
+
+def allocate_tq_planar_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: str,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """A planar paged cache for one layer: uint8 [num_blocks, num_kv_heads, block_size * slot_bytes]."""
+    lay = tq_layout(fmt, head_dim)
+    return torch.empty((num_blocks, num_kv_heads, block_size * lay.slot_bytes), dtype=torch.uint8, device=device)
+
+
 def capacity_ratio(fmt: str, head_dim: int) -> float:
     """Tokens that fit per byte relative to BF16 K+V: 4*D / slot_bytes."""
     return 4 * head_dim / tq_layout(fmt, head_dim).slot_bytes
@@ -380,15 +446,6 @@ def v4_program() -> list[PtxOp]:
     ]
 
 
-def v4_pairs_program() -> list[PtxOp]:
-    """`v4_program` for two 16-bit elements per register (bytes B0 B1 | B2 B3): out $0 = low nibbles of
-    (B0, B2), $1 = of (B1, B3), $2 and $3 = 16 x their high nibbles, so that output k holds byte k of
-    each element (the Gluon kernel loads value codes as int16 and joins the outputs back in order)."""
-    prog = v4_program()
-    swap = {0x4140: 0x4240, 0x4342: 0x4341}
-    return [(op[0], op[1], op[2], op[3], swap[op[4]]) if op[0] == "prmt" else op for op in prog]
-
-
 def v3_program() -> list[PtxOp]:
     """3-bit value codes: in $8 = 2-bit plane bytes, $9 = high-bit bytes (quarter s at bit 2s);
     out quarter s = 4^s * code in ($2s, $2s+1), exact fp16: the code's bits stay where they are."""
@@ -430,3 +487,21 @@ def render_ptx(prog: list[PtxOp]) -> str:
         lines.append(f"{_PTX_NAMES[op[0]]} {', '.join(args)};")
     lines.append("}")
     return "\n".join(lines)
+
+
+def render_ptx_halves(prog: list[PtxOp], num_outputs: int) -> str:
+    """PTX text of a register program whose 32-bit outputs $0..$(n-1) are returned as 2n 16-bit halves
+    (output k -> $2k low half, $2k+1 high half; inputs renumbered after them), for
+    `inline_asm_elementwise(pack=1)` on 32-bit words with fp16 outputs ("=h"): each word's results
+    come back as separate fp16 tensors, with no byte shuffling of the operands around the program."""
+
+    def rename(arg):
+        if isinstance(arg, str) and arg.startswith("$"):
+            k = int(arg[1:])
+            return f"o{k}" if k < num_outputs else f"${k + num_outputs}"
+        return arg
+
+    body = [(op[0], *map(rename, op[1:])) for op in prog]
+    text = render_ptx(body)
+    halves = "\n".join(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, o{k};" for k in range(num_outputs))
+    return text[: text.rindex("}")] + halves + "\n}"

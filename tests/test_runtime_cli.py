@@ -136,7 +136,7 @@ def test_bench_measures_flashinfer_decisions_on_hnd_pages(tmp_path):
     assert {v["cache_layout"] for v in result["variants"]} == {"HND"}
 
 
-def test_bench_table_names_the_gluon_kernel_where_fp8_layers_ran_it(tmp_path, capsys):
+def test_bench_table_names_the_gluon_kernels_where_layers_ran_them(tmp_path, capsys):
     """The text report says when FP8 layers ran the Hopper Gluon kernel (e4m3 query), and stays silent
     where none did (here: a CPU run, then the same result as an H200 run would record it)."""
     pytest.importorskip("torch")
@@ -154,4 +154,13 @@ def test_bench_table_names_the_gluon_kernel_where_fp8_layers_ran_it(tmp_path, ca
     fp8 = next(v for v in result.variants if v.kv_cache_dtype == "fp8")
     fp8.layer_paths = {"gluon": [0, 1, 2, 3]}
     _print_bench(result)
-    assert f"FP8 layers of {fp8.name} on the Gluon kernel" in " ".join(capsys.readouterr().out.split())
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"FP8 layers of {fp8.name} on the Gluon kernel" in printed
+    assert "TurboQuant layers" not in printed
+    # a TurboQuant variant whose layers ran the Gluon TurboQuant kernel is named as such, not as FP8
+    tq = fp8.model_copy(update={"name": "turboquant_4bit_nc", "kv_cache_dtype": "turboquant_4bit_nc"})
+    result.variants.append(tq)
+    _print_bench(result)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "TurboQuant layers of turboquant_4bit_nc on the Gluon kernel (planar pages)" in printed
+    assert f"FP8 layers of {fp8.name} on" in printed and "FP8 layers of turboquant" not in printed

@@ -223,9 +223,13 @@ def _print_bench(result: Any) -> None:
     layouts = {v.cache_layout for v in result.variants}
     pages = " on HND pages (FlashInfer's layout)" if layouts == {"HND"} else ""
     gluon = [v.name for v in result.variants if "gluon" in v.layer_paths]
+    fp8_gl = [n for n in gluon if not n.startswith("turboquant")]
+    tq_gl = [n for n in gluon if n.startswith("turboquant")]
     # Which kernel ran matters to anyone comparing with vLLM: on Hopper, FP8 layers run the Gluon kernel
-    # with an e4m3 query (FA3's FP8 numerics), not the Triton one.
-    kernels = f"; FP8 layers of {', '.join(gluon)} on the Gluon kernel (e4m3 query)" if gluon else ""
+    # with an e4m3 query (FA3's FP8 numerics), and TurboQuant k8v4/4bit_nc layers the Gluon kernel on
+    # planar pages, not the Triton ones.
+    kernels = f"; FP8 layers of {', '.join(fp8_gl)} on the Gluon kernel (e4m3 query)" if fp8_gl else ""
+    kernels += f"; TurboQuant layers of {', '.join(tq_gl)} on the Gluon kernel (planar pages)" if tq_gl else ""
     console.print(f"[bold]{result.model}[/] on [bold]{env.device}[/] ({env.backend}); decision "
                   f"[bold]{result.decision.kv_cache_dtype}[/] skip {result.decision.skip_layers or '[]'}; "
                   f"{result.timing}{pages}{kernels}")

@@ -76,11 +76,19 @@ class LayerPlan:
         return self.kind != "linear"
 
     def kernel_path(self, backend: str, gluon: bool = False) -> str:
-        """`triton`; `gluon` for the FP8 layers the Hopper Gluon kernel takes, when `gluon` (the GPU is an
-        sm_90 one: `ops.gluon_available`); `reference` where the kernels do not take this layer (or on the CPU)."""
+        """`triton`; `gluon` for the FP8 and TurboQuant (k8v4, 4bit_nc) layers the Hopper Gluon kernels take, when
+        `gluon` (the GPU is an sm_90 one: `ops.gluon_available`); `reference` where the kernels do not take this
+        layer (or on the CPU)."""
         if backend != "triton":
             return "reference"
         if self.fmt is not None and self.fmt.kind == "turboquant":
+            if gluon:
+                # Hopper: k8v4 and 4bit_nc read a planar cache with the Gluon kernel (what it takes is its own to say)
+                from kvpolicy.kernels import tq_gluon as tg
+
+                if (self.fmt.name in tg.FORMATS and self.head_dim in tg.HEAD_DIMS
+                        and self.num_q_heads // self.num_kv_heads <= tg.MAX_GROUP and BLOCK_SIZE == tg.PAGE):
+                    return "gluon"
             return "triton"
         if self.head_dim not in KERNEL_HEAD_DIMS:
             return "reference"
@@ -193,7 +201,8 @@ def allocate(plans: list[LayerPlan], batch: int, max_context: int, device: Any,
     """Allocate every layer's cache for `batch` sequences of up to `max_context` tokens (None for no-cache layers).
 
     `layout` ("NHD" or "HND") orders the pages of BF16/FP8 caches of full and sliding layers; MLA
-    latents (one KV head) and TurboQuant slots have one order.
+    latents (one KV head) have one order; TurboQuant caches are planar pages where the Gluon kernel
+    decodes them (`LayerPlan.kernel_path`), slots elsewhere.
 
     Block tables map sequence b's logical page j to physical page
     b * pages + (j mod pages), which is the identity for full layers and a ring
@@ -215,10 +224,13 @@ def allocate(plans: list[LayerPlan], batch: int, max_context: int, device: Any,
         num_blocks = batch * pages
         c = LayerCache(plan=plan)
         if plan.fmt.kind == "turboquant":
-            from kvpolicy.kernels.turboquant import allocate_tq_cache
+            from kvpolicy.kernels.turboquant import allocate_tq_cache, allocate_tq_planar_cache
+            from kvpolicy.runtime.ops import gluon_available
 
-            c.key_cache = allocate_tq_cache(num_blocks, block_size, plan.num_kv_heads, plan.head_dim,
-                                            plan.fmt.name, device)
+            # the Gluon kernel reads planar pages (the same bytes per token as the slots the Triton kernel reads)
+            planar = plan.kernel_path("triton", gluon_available(torch.device(device))) == "gluon"
+            c.key_cache = (allocate_tq_planar_cache if planar else allocate_tq_cache)(
+                num_blocks, block_size, plan.num_kv_heads, plan.head_dim, plan.fmt.name, device)
         elif plan.kind == "mla":
             # One latent serves as K and V: the second tensor allocate_cache returns is dropped.
             c.key_cache, _ = allocate_cache(num_blocks, block_size, 1, plan.head_dim,

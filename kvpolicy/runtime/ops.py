@@ -5,7 +5,9 @@ cache layout and switches; which switch a layer gets (format, window, sinks,
 two-level, scales) comes from its plan and the variant, never from a policy.
 `backend` is `triton` (CUDA) or `reference` (float64 torch, any device).
 On a Hopper GPU, FP8 layers decode with the Gluon kernel (kernels/decode_gluon.py,
-e4m3 query as in vLLM's FA3 FP8 path); `KVPOLICY_GLUON=0` keeps them on Triton.
+e4m3 query as in vLLM's FA3 FP8 path), and turboquant_k8v4/4bit_nc layers with the
+Gluon TurboQuant kernel on planar caches (kernels/tq_gluon.py); `KVPOLICY_GLUON=0`
+keeps them on Triton.
 Layers the BF16/FP8 kernel does not take (an MLA latent of 576 dims, head dims
 above 256) run the reference on every backend; `LayerPlan.kernel_path` says
 which, and the results report it.
@@ -63,7 +65,7 @@ def _gluon_on(device: torch.device) -> bool:
 
 
 def gluon_available(device: torch.device) -> bool:
-    """Whether FP8 layers decode with the Gluon kernel here: an sm_90 GPU, a Triton with its Gluon API
+    """Whether FP8 and TurboQuant (k8v4, 4bit_nc) layers decode with the Gluon kernels here: an sm_90 GPU, a Triton with its Gluon API
     (`decode_attention.gluon_runs_on`), and `KVPOLICY_GLUON` not set to 0."""
     return os.environ.get("KVPOLICY_GLUON", "1") != "0" and _gluon_on(device)
 
@@ -79,10 +81,11 @@ def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables
     path = plan.kernel_path(backend, gluon_available(query.device))
     common: dict[str, Any] = {"sm_scale": plan.sm_scale, "sliding_window": plan.window, "sinks": cache.sinks}
     if fmt.kind == "turboquant":
-        if path == "triton":
+        if path in ("triton", "gluon"):
             from kvpolicy.kernels.tq_decode import decode_attention_tq
 
-            out = decode_attention_tq(query, cache.key_cache, block_tables, seq_lens, fmt.name, **common)
+            out = decode_attention_tq(query, cache.key_cache, block_tables, seq_lens, fmt.name,
+                                      kernel="gluon" if path == "gluon" else "triton", **common)
         else:
             from kvpolicy.kernels.tq_reference import decode_attention_tq_ref
 

@@ -174,3 +174,20 @@ def test_store_gpu_random_keys_and_bf16_input(fmt: str) -> None:
         assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3
     assert torch.allclose(got["value_scale"], want["value_scale"], rtol=2**-10, atol=0)
     assert not math.isnan(got["value_zero"].sum().item())
+
+
+@pytest.mark.parametrize("fmt", TQ_FORMATS)
+def test_store_writes_planar_pages(fmt: str, device: str) -> None:
+    """The store kernel writes a planar cache byte for byte as the slot layout, permuted by the planar map;
+    bytes of slots it does not touch stay as they were."""
+    from kvpolicy.kernels.turboquant import allocate_tq_planar_cache, planar_from_slots
+
+    d, h = 64, 2
+    key, value = torch.randn(21, h, d), torch.randn(21, h, d)
+    slots = torch.randperm(3 * 16)[:21]
+    slots[4] = -1  # skipped
+    nhd = allocate_tq_cache(3, 16, h, d, fmt, device).fill_(7)
+    planar = allocate_tq_planar_cache(3, 16, h, d, fmt, device).fill_(7)
+    store_kv_tq(key.to(device), value.to(device), nhd, slots.to(device), fmt)
+    store_kv_tq(key.to(device), value.to(device), planar, slots.to(device), fmt)
+    assert torch.equal(planar.cpu(), planar_from_slots(nhd.cpu(), fmt, d))

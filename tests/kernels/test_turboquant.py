@@ -6,6 +6,7 @@ Pure torch (no kernels): fast on any machine.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from kvpolicy.kernels.turboquant import (
     k4_program,
     lloyd_max_codebook,
     render_ptx,
+    render_ptx_halves,
     rotation_t_signs,
     sign_magnitude_codebook,
     sign_magnitude_codes,
@@ -35,7 +37,6 @@ from kvpolicy.kernels.turboquant import (
     tq_layout,
     turboquant_mse_bound,
     v3_program,
-    v4_pairs_program,
     v4_program,
 )
 
@@ -225,17 +226,16 @@ def test_v4_program_gives_codes() -> None:
     assert torch.equal(hi.double(), 16.0 * (b >> 4).double())
 
 
-def test_v4_pairs_program_gives_codes_per_16_bit_element() -> None:
-    """Output k of the pairs program holds byte k (of 2) of each 16-bit element: (B0, B2), (B1, B3)."""
-    x = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
-    regs = emulate_ptx(v4_pairs_program(), {"$4": x})
-    b = _bytes(x)
-    for k in range(2):
-        lo, hi = _f16_lanes(regs[f"${k}"]), _f16_lanes(regs[f"${k + 2}"])
-        for e in range(2):
-            byte = b[:, 2 * e + k]
-            assert torch.equal(lo[e].double(), (byte & 15).double()), f"low nibble, byte {k} of element {e}"
-            assert torch.equal(hi[e].double(), 16.0 * (byte >> 4).double()), f"high nibble, byte {k} of element {e}"
+def test_render_ptx_halves_returns_each_output_as_two_halves() -> None:
+    """The halves form of a program computes the same 32-bit words and hands out each as ($2k, $2k+1),
+    with the inputs renumbered after the 2n halves."""
+    text = render_ptx_halves(k4_program(), 4)
+    body = text.split("mov.b32 {")[0]
+    assert not re.search(r"\$[0-7]\b", body), "the program body writes temporaries and reads the input, $8"
+    assert "and.b32 s0, $8, 0x7777;" in body
+    for k in range(4):
+        assert f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, o{k};" in text
+    assert text.count("{") == text.count("}")
 
 
 def test_v3_program_gives_codes() -> None:

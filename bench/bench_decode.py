@@ -530,9 +530,12 @@ def measured_crossover(sel: list[dict], base: str, col: str) -> int | None:
 
 EVIDENCE_COLUMNS = ("bf16", "fp8", *TQ_FORMATS, "sdpa_cudnn")
 """Columns written by --evidence: the cache formats recommend can choose, and the baseline."""
-EVIDENCE_FROM = {"fp8": ("fp8_gl", "fp8")}
-"""Rows an evidence column is taken from, first present first: our fastest kernel for the format. For
-fp8 on Hopper that is the Gluon kernel, whose e4m3 query is what vLLM's FA3 FP8 path does too."""
+EVIDENCE_FROM = {"fp8": ("fp8_gl", "fp8"),
+                 "turboquant_k8v4": ("turboquant_k8v4_gl", "turboquant_k8v4"),
+                 "turboquant_4bit_nc": ("turboquant_4bit_nc_gl", "turboquant_4bit_nc")}
+"""Rows an evidence column is taken from, first present first: our fastest kernel for the format. On
+Hopper that is a Gluon kernel: for fp8 with an e4m3 query (what vLLM's FA3 FP8 path does too), for
+k8v4 and 4bit_nc on planar pages (the same bytes per token)."""
 
 
 def evidence_block(records: list[dict], summary: list[dict], log: dict, gpu_id: str, batch: int = 8) -> dict[str, Any]:

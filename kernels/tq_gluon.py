@@ -34,12 +34,20 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
+from kvpolicy.kernels.turboquant import (
+    field_planes,
+    k4_program,
+    render_ptx_halves,
+    tq_layout,
+    v4_program,
+)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-
-from kvpolicy.kernels.turboquant import field_planes, k4_program, render_ptx_halves, tq_layout, v4_program
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 PAGE = 16
 """Page size (vLLM's default block size)."""
@@ -364,7 +372,7 @@ def supported(query: torch.Tensor, cache: torch.Tensor, fmt: str) -> tuple[bool,
     return True, ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _operand_order_on(key_bytes: int, device: str) -> torch.Tensor:
     return operand_order(key_bytes).to(torch.int32).to(device)
 

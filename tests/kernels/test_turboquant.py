@@ -15,24 +15,30 @@ from kvpolicy.formats import get_format
 from kvpolicy.kernels.tq_reference import (
     _pack_codes,
     _unpack_codes,
+    decode_attention_tq_ref,
     dequantize_keys_ref,
     emulate_ptx,
     quantize_keys_ref,
+    store_kv_ref,
 )
 from kvpolicy.kernels.turboquant import (
     SUPPORTED_HEAD_DIMS,
     TQ_FORMATS,
+    allocate_tq_cache,
     codebook_boundaries,
+    field_planes,
     gaussian_mse,
     hadamard_rotation,
     k3_program,
     k4_program,
     lloyd_max_codebook,
+    planar_from_slots,
     render_ptx,
     render_ptx_halves,
     rotation_t_signs,
     sign_magnitude_codebook,
     sign_magnitude_codes,
+    slots_from_planar,
     sorted_index,
     tq_layout,
     turboquant_mse_bound,
@@ -253,3 +259,45 @@ def test_render_ptx_declares_temporaries() -> None:
     assert text.startswith("{") and text.rstrip().endswith("}")
     assert ".reg .b32" in text and "prmt.b32" in text and "lop3.b32" in text
     assert text.count(";") == len(k4_program()) + 1
+
+
+@pytest.mark.parametrize("fmt", TQ_FORMATS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_planar_pages_hold_the_slots_bytes_in_aligned_planes(fmt: str, head_dim: int) -> None:
+    """A planar cache is a permutation of the slot cache's bytes (same size, round trip exact), each head's
+    page starts on a 16-byte boundary, and its key rows, value rows and fp16 field planes sit where the
+    Gluon kernel reads them."""
+    lay = tq_layout(fmt, head_dim)
+    slots = torch.randint(0, 256, (3, 16, 4, lay.slot_bytes), dtype=torch.uint8)
+    planar = planar_from_slots(slots, fmt, head_dim)
+    assert planar.shape == (3, 4, 16 * lay.slot_bytes) and planar.numel() == slots.numel()
+    assert torch.equal(slots_from_planar(planar, fmt, head_dim), slots)
+    assert (16 * lay.slot_bytes) % 16 == 0
+    page = planar[1, 2]  # block 1, head 2
+    t = 5
+    assert torch.equal(page[t * lay.key_bytes:(t + 1) * lay.key_bytes], slots[1, t, 2, :lay.key_bytes])
+    v0 = 16 * lay.key_bytes
+    assert torch.equal(page[v0 + t * lay.val_bytes:v0 + (t + 1) * lay.val_bytes],
+                       slots[1, t, 2, lay.val_off:lay.val_off + lay.val_bytes])
+    f0 = 16 * (lay.key_bytes + lay.val_bytes)
+    for k, off in enumerate(field_planes(fmt, head_dim)):
+        assert f0 % 16 == 0
+        plane = page[f0 + 32 * k:f0 + 32 * (k + 1)]
+        assert torch.equal(plane[2 * t:2 * t + 2], slots[1, t, 2, off:off + 2])
+
+
+def test_reference_decodes_planar_and_slot_caches_alike() -> None:
+    """The float64 reference reads a planar cache as the slots it permutes (and stores into one)."""
+    fmt, d = "turboquant_4bit_nc", 64
+    key, value = torch.randn(40, 2, d), torch.randn(40, 2, d)
+    slots = allocate_tq_cache(4, 16, 2, d, fmt).zero_()
+    planar = planar_from_slots(slots, fmt, d)
+    mapping = torch.arange(40)
+    store_kv_ref(key, value, slots, mapping, fmt)
+    store_kv_ref(key, value, planar, mapping, fmt)
+    assert torch.equal(planar, planar_from_slots(slots, fmt, d))
+    query = torch.randn(1, 8, d)
+    tables = torch.arange(4, dtype=torch.int32)[None]
+    seq = torch.tensor([40], dtype=torch.int32)
+    assert torch.equal(decode_attention_tq_ref(query, planar, tables, seq, fmt),
+                       decode_attention_tq_ref(query, slots, tables, seq, fmt))

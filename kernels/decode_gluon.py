@@ -54,6 +54,22 @@ MAX_GROUP = 16
 
 
 @gluon.jit
+def split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    """(seq_len, first attended position, first tile, end tile) of this program's split: the attended range
+    [start, seq_len) in whole BN-token tiles, cut into `num_splits` runs of equal tile counts."""
+    seq_len = gl.load(seq_lens_ptr + seq)
+    start = 0
+    if HAS_WINDOW:
+        start = gl.maximum(seq_len - window, 0)
+    first_tile = start // BN
+    end_tile = (seq_len + BN - 1) // BN
+    tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = gl.minimum(tile_lo + tiles_per_split, end_tile)
+    return seq_len, start, tile_lo, tile_hi
+
+
+@gluon.jit
 def _page_ids(bt_row, first_page, seq_len, pred, PAGE: gl.constexpr):
     """Physical ids of 4 consecutive pages of a sequence (page 0 past its end or when not `pred`:
     copied, then masked)."""
@@ -234,15 +250,7 @@ def _decode_gluon_kernel(
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
 
-    seq_len = gl.load(seq_lens_ptr + seq)
-    start = 0
-    if HAS_WINDOW:
-        start = gl.maximum(seq_len - window, 0)
-    first_tile = start // BN
-    end_tile = (seq_len + BN - 1) // BN
-    tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
-    tile_lo = first_tile + split * tiles_per_split
-    tile_hi = gl.minimum(tile_lo + tiles_per_split, end_tile)
+    seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
     n_tiles = gl.maximum(tile_hi - tile_lo, 0)
 
     # The GQA group's query, quantised to e4m3 with one scale per program.

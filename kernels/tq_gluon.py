@@ -34,6 +34,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.turboquant import (
     field_planes,
     k4_program,
@@ -243,15 +244,7 @@ def _tq_gluon_kernel(
     q_smem = gl.allocate_shared_memory(gl.float16, [8, KB], q_smem_layout)
     qh_smem = gl.allocate_shared_memory(gl.float16, [8, KB], q_smem_layout)
 
-    seq_len = gl.load(seq_lens_ptr + seq)
-    start = 0
-    if HAS_WINDOW:
-        start = gl.maximum(seq_len - window, 0)
-    first_tile = start // BN
-    end_tile = (seq_len + BN - 1) // BN
-    tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
-    tile_lo = first_tile + split * tiles_per_split
-    tile_hi = gl.minimum(tile_lo + tiles_per_split, end_tile)
+    seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
 
     # The GQA group's query (rotated and scaled for centroid keys) in fp16, its coordinates in the score
     # MMA's K order (`operand_order`); two halves of the head for 4-bit keys (byte j of the codes holds

@@ -19,7 +19,7 @@ from kvpolicy.kernels.tq_reference import (
     store_kv_ref,
 )
 from kvpolicy.kernels.tq_store import store_kv_tq
-from kvpolicy.kernels.turboquant import TQ_FORMATS, allocate_tq_cache
+from kvpolicy.kernels.turboquant import TQ_FORMATS, allocate_tq_cache, planar_from_slots
 
 
 def _paged(fmt, key, value, seq_lens, block_size, device, use_kernel=False, max_blocks=None):
@@ -47,7 +47,9 @@ def _paged(fmt, key, value, seq_lens, block_size, device, use_kernel=False, max_
 
 
 def _run(fmt, device, *, bsz=2, hq=8, hkv=2, d=128, seq=(100, 37), block_size=16, splits=None, window=None,
-         sinks=False, outliers=False, **decode_kw):
+         sinks=False, outliers=False, planar=False, **decode_kw):
+    """Decode random K/V packed by the reference (into planar pages if `planar`): (out, reference over the
+    same cache, unquantized float64 attention)."""
     key = [torch.randn(n, hkv, d) for n in seq]
     value = [torch.randn(n, hkv, d) * 0.7 + 0.2 for n in seq]
     if outliers:
@@ -55,6 +57,8 @@ def _run(fmt, device, *, bsz=2, hq=8, hkv=2, d=128, seq=(100, 37), block_size=16
             k[:, :, [2, 50]] *= 15.0
     seq_lens = torch.tensor(seq, dtype=torch.int32)
     cache, tables = _paged(fmt, key, value, seq_lens, block_size, device)
+    if planar:
+        cache = planar_from_slots(cache, fmt, d)
     query = torch.randn(bsz, hq, d)
     sink = torch.randn(hq) if sinks else None
     out = torch.full((bsz, hq, d), float("nan"), device=device)  # poisoned: every element must be written
@@ -217,6 +221,14 @@ def test_gpu_store_then_decode_bf16(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", TQ_FORMATS)
 def test_gpu_needle_long_context(fmt: str, context: int) -> None:
     """bench_decode's needle (margin 13.5, Llama layer, batch 4) at 4k-128k: every head retrieves."""
+    retrieved, bits = gpu_needle(fmt, context, allocate_tq_cache)
+    print(f"needle {fmt} {context}: retrieved {retrieved:.2f} bits {bits:.3f}")
+    assert retrieved >= 0.95, f"{fmt} at {context}: {retrieved:.2f} of heads ({bits:.3f} of bits)"
+
+
+def gpu_needle(fmt: str, context: int, allocate, **decode_kw) -> tuple[float, float]:
+    """The needle on the GPU through the store kernel into a cache from `allocate` (slots or planar pages)
+    and `decode_attention_tq`: (fraction of heads retrieved, bit accuracy)."""
     batch, hkv, group, d = 4, 8, 4, 128
     query, key, value, want = needle_case(context, batch, hkv, group, d, 13.5, "cuda", seed=context)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -224,9 +236,7 @@ def test_gpu_needle_long_context(fmt: str, context: int) -> None:
     tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks).int()
     pos = torch.arange(context, device="cuda")
     slots = (tables.long()[:, pos // 16] * 16 + pos % 16).reshape(-1)
-    cache = allocate_tq_cache(batch * blocks, 16, hkv, d, fmt, "cuda")
+    cache = allocate(batch * blocks, 16, hkv, d, fmt, "cuda")
     store_kv_tq(key.reshape(-1, hkv, d).bfloat16(), value.reshape(-1, hkv, d).bfloat16(), cache, slots, fmt)
-    out = decode_attention_tq(query.bfloat16(), cache, tables, seq_lens, fmt)
-    retrieved, bits = needle_retrieved(out, want)
-    print(f"needle {fmt} {context}: retrieved {retrieved:.2f} bits {bits:.3f}")
-    assert retrieved >= 0.95, f"{fmt} at {context}: {retrieved:.2f} of heads ({bits:.3f} of bits)"
+    out = decode_attention_tq(query.bfloat16(), cache, tables, seq_lens, fmt, **decode_kw)
+    return needle_retrieved(out, want)

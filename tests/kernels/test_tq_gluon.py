@@ -4,39 +4,19 @@ Hopper GPU. Gluon does not run under the Triton interpreter: on the CPU only the
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
-from kvpolicy.kernels.tq_decode import decode_attention_tq
-from kvpolicy.kernels.tq_reference import attention_ref, decode_attention_tq_ref
-from kvpolicy.kernels.turboquant import planar_from_slots
-from test_tq_decode import TOL_SAME_CACHE, _paged, _rel
+from test_tq_decode import TOL_SAME_CACHE, _rel, _run
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 GLUON_FORMATS = ["turboquant_k8v4", "turboquant_4bit_nc"]
 hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is written for sm_90")
 
 
-def run_planar(fmt, device, *, bsz, hq, hkv, d, seq, splits=None, window=None, sinks=False, outliers=False,
-               kernel="gluon"):
-    """Decode a planar copy of a reference-packed slot cache; returns (out, reference, unquantized attention)."""
-    key = [torch.randn(n, hkv, d) for n in seq]
-    value = [torch.randn(n, hkv, d) * 0.7 + 0.2 for n in seq]
-    if outliers:
-        for k in key:
-            k[:, :, [2, 50]] *= 15.0
-    seq_lens = torch.tensor(seq, dtype=torch.int32)
-    slots, tables = _paged(fmt, key, value, seq_lens, 16, device)
-    planar = planar_from_slots(slots, fmt, d)
-    query = torch.randn(bsz, hq, d)
-    sink = torch.randn(hq) if sinks else None
-    out = torch.full((bsz, hq, d), float("nan"), device=device)  # poisoned: every element must be written
-    decode_attention_tq(query.to(device), planar, tables, seq_lens.to(device), fmt, sliding_window=window,
-                        sinks=None if sink is None else sink.to(device), num_splits=splits, out=out, kernel=kernel)
-    ref = decode_attention_tq_ref(query, planar.cpu(), tables.cpu(), seq_lens, fmt, sliding_window=window, sinks=sink)
-    raw = torch.stack([attention_ref(query[b], key[b], value[b], 1 / math.sqrt(d), window, sink) for b in range(bsz)])
-    return out.cpu().double(), ref, raw
+def run_planar(fmt, device, kernel="gluon", **kw):
+    """`_run` on a planar copy of the reference-packed cache, with the Gluon kernel by default."""
+    return _run(fmt, device, planar=True, kernel=kernel, **kw)
 
 
 @pytest.mark.gpu
@@ -69,8 +49,6 @@ def test_gluon_agrees_with_triton_kernel(fmt: str, device: str) -> None:
     torch.manual_seed(0)
     out_g, ref, raw = run_planar(fmt, device, outliers=True, **case)
     torch.manual_seed(0)
-    from test_tq_decode import _run
-
     out_t, _, _ = _run(fmt, device, outliers=True, **case)
     assert _rel(out_g, ref) <= TOL_SAME_CACHE
     assert _rel(out_g, out_t) <= TOL_SAME_CACHE
@@ -90,8 +68,6 @@ def test_gluon_routing_says_why(device: str) -> None:
             run_planar("turboquant_4bit_nc", device, kernel="auto", **kw)
     with pytest.raises(ValueError, match="planar cache is read by the Gluon kernel only"):
         run_planar("turboquant_4bit_nc", device, kernel="triton", **kw)
-    from test_tq_decode import _run
-
     out, ref, _ = _run("turboquant_4bit_nc", device, kernel="auto", **kw)
     assert _rel(out, ref) <= TOL_SAME_CACHE
     with pytest.raises(ValueError, match="kernel must be"):
@@ -105,20 +81,9 @@ def test_gluon_routing_says_why(device: str) -> None:
 def test_gluon_needle_long_context(fmt: str, context: int) -> None:
     """bench_decode's needle (margin 13.5, Llama layer, batch 4) at 4k-128k through the store kernel writing
     planar pages and the Gluon kernel reading them: every head retrieves."""
-    from kvpolicy.kernels.tq_store import store_kv_tq
     from kvpolicy.kernels.turboquant import allocate_tq_planar_cache
-    from test_tq_decode import needle_case, needle_retrieved
+    from test_tq_decode import gpu_needle
 
-    batch, hkv, group, d = 4, 8, 4, 128
-    query, key, value, want = needle_case(context, batch, hkv, group, d, 13.5, "cuda", seed=context)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    blocks = context // 16
-    tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks).int()
-    pos = torch.arange(context, device="cuda")
-    slots = (tables.long()[:, pos // 16] * 16 + pos % 16).reshape(-1)
-    cache = allocate_tq_planar_cache(batch * blocks, 16, hkv, d, fmt, "cuda")
-    store_kv_tq(key.reshape(-1, hkv, d).bfloat16(), value.reshape(-1, hkv, d).bfloat16(), cache, slots, fmt)
-    out = decode_attention_tq(query.bfloat16(), cache, tables, seq_lens, fmt, kernel="gluon")
-    retrieved, bits = needle_retrieved(out, want)
+    retrieved, bits = gpu_needle(fmt, context, allocate_tq_planar_cache, kernel="gluon")
     print(f"needle {fmt} gluon {context}: retrieved {retrieved:.2f} bits {bits:.3f}")
     assert retrieved >= 0.95, f"{fmt} at {context}: {retrieved:.2f} of heads ({bits:.3f} of bits)"

@@ -479,10 +479,15 @@ def decode_attention_tq(
         raise ValueError(f"sinks must be [{hq}]; got {tuple(sinks.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dimension; got {tuple(out.shape)}")
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if kernel != "triton":
         why = _gluon_refusal(query, cache, fmt, (block_n, num_warps, prefetch, maxnreg, use_asm))
         if not why:
-            return _decode_gluon(query, cache, block_tables, seq_lens, fmt, sm_scale=sm_scale,
+            return _decode_gluon(query, cache, block_tables, seq_lens, fmt, scale=scale,
                                  sliding_window=sliding_window, sinks=sinks, num_splits=num_splits, out=out)
         if kernel == "gluon" or planar:
             raise ValueError(f"kernel={kernel!r} cannot decode this call: {why}")
@@ -505,12 +510,7 @@ def decode_attention_tq(
         num_splits = default_num_splits(bsz, hkv, block_tables.shape[1] * page, block_n, query.device, resident)
     if use_asm is None:
         use_asm = query.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     tabs = kernel_tables(fmt, d, cache.device)
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dimension; got {tuple(out.shape)}")
     if num_splits > 1:
         part_o = torch.empty((bsz * hq, num_splits, d), dtype=torch.float32, device=query.device)
         part_lse = torch.empty((bsz * hq, num_splits), dtype=torch.float32, device=query.device)
@@ -518,13 +518,7 @@ def decode_attention_tq(
         part_o = part_lse = out  # unused
     sinks_arg = sinks if sinks is not None else out
     block_m = max(16, triton.next_power_of_2(group))
-    if lay.key_bits == 8:
-        q_rot = query  # FP8 keys are not rotated
-    else:
-        q_rot = torch.empty((bsz, hq, d), dtype=torch.float16, device=query.device)
-        _tq_rotate_query_kernel[(bsz * hkv,)](
-            query, tabs["rot_t_sign_f16"], q_rot, scale * LOG2E, 1.0 / d, query.stride(0), query.stride(1),
-            NUM_KV=hkv, GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, num_warps=4)
+    q_rot = query if lay.key_fp8 else _rotated_query(query, fmt, hkv, scale)  # FP8 keys are not rotated
     _tq_decode_kernel[(bsz * hkv, num_splits)](
         query, q_rot, cache, cache.view(torch.float16), block_tables, seq_lens,
         tabs["codebook_sm_unit_f16"], sinks_arg, out, part_o, part_lse,
@@ -560,34 +554,34 @@ def _gluon_refusal(query: torch.Tensor, cache: torch.Tensor, fmt: str, triton_ar
     return "" if ok else why
 
 
-def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, sm_scale, sliding_window, sinks, num_splits,
+def _rotated_query(query: torch.Tensor, fmt: str, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """Pi q * scale * log2(e) / D in fp16, once per decode step (`_tq_rotate_query_kernel`), for centroid keys."""
+    bsz, hq, d = query.shape
+    group = hq // num_kv_heads
+    q_rot = torch.empty((bsz, hq, d), dtype=torch.float16, device=query.device)
+    _tq_rotate_query_kernel[(bsz * num_kv_heads,)](
+        query, kernel_tables(fmt, d, query.device)["rot_t_sign_f16"], q_rot, scale * LOG2E, 1.0 / d,
+        query.stride(0), query.stride(1), NUM_KV=num_kv_heads, GROUP=group, HEAD_DIM=d,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), num_warps=4)
+    return q_rot
+
+
+def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, scale, sliding_window, sinks, num_splits,
                   out) -> torch.Tensor:
     from kvpolicy.kernels import tq_gluon
     from kvpolicy.kernels.decode_attention import _span
 
-    bsz, hq, d = query.shape
+    bsz, _, d = query.shape
     hkv = cache.shape[1]
-    lay = tq_layout(fmt, d)
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     cfg = tq_gluon.default_config(d)
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dimension; got {tuple(out.shape)}")
     if num_splits is None:
         span = _span(block_tables, tq_gluon.PAGE, sliding_window, cfg.block_n)
         num_splits = split_count(bsz, hkv, span, cfg.block_n,
                                  tq_gluon.programs_per_sm(d, query.device, cfg), query.device, waves=())
-    if lay.key_fp8:
+    if tq_layout(fmt, d).key_fp8:
         q16, q_scale = query, scale * LOG2E  # FP8 keys are not rotated
     else:
-        group = hq // hkv
-        q16 = torch.empty((bsz, hq, d), dtype=torch.float16, device=query.device)
-        _tq_rotate_query_kernel[(bsz * hkv,)](
-            query, kernel_tables(fmt, d, cache.device)["rot_t_sign_f16"], q16, scale * LOG2E, 1.0 / d,
-            query.stride(0), query.stride(1), NUM_KV=hkv, GROUP=group, HEAD_DIM=d,
-            BLOCK_M=max(16, triton.next_power_of_2(group)), num_warps=4)
-        q_scale = 1.0
+        q16, q_scale = _rotated_query(query, fmt, hkv, scale), 1.0
     return tq_gluon.decode_tq_gluon(query, q16, q_scale, cache, fmt, block_tables, seq_lens,
                                     sliding_window=sliding_window, sinks=sinks, splits=num_splits, out=out,
                                     config=cfg)

@@ -16,7 +16,7 @@ from kvpolicy.kernels.turboquant import (
     codebook_boundaries,
     hadamard_rotation,
     lloyd_max_codebook,
-    planar_from_slots,
+    planar_destinations,
     sign_magnitude_codes,
     slots_from_planar,
     sorted_index,
@@ -166,17 +166,18 @@ def dequantize_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int) -> tuple[
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: str) -> None:
-    """Reference store: pack K/V [T, H, D] into `cache` at `slot_mapping` (negative slots skipped); a planar
-    cache (`turboquant.planar_from_slots`) is written through its slot view."""
-    if cache.dim() == 3:
-        d = key.shape[-1]
-        slots = slots_from_planar(cache, fmt, d)
-        store_kv_ref(key, value, slots, slot_mapping, fmt)
-        cache.copy_(planar_from_slots(slots, fmt, d))
-        return
-    nb, bs, h, sb = cache.shape
+    """Reference store: pack K/V [T, H, D] into `cache` at `slot_mapping` (negative slots skipped); into a
+    planar cache (`turboquant.allocate_tq_planar_cache`, 16-token pages) each slot byte goes where
+    `planar_destinations` puts it."""
     keep = slot_mapping >= 0
     slots = pack_slots_ref(key[keep], value[keep], fmt)
+    if cache.dim() == 3:
+        dest = planar_destinations(fmt, key.shape[-1]).to(cache.device)
+        where = slot_mapping[keep].long()
+        heads = torch.arange(cache.shape[1], device=cache.device)
+        cache[(where // 16)[:, None, None], heads[None, :, None], dest[where % 16][:, None, :]] = slots
+        return
+    nb, bs, h, sb = cache.shape
     flat = cache.view(nb * bs, h, sb)
     flat[slot_mapping[keep]] = slots
 

@@ -302,6 +302,13 @@ def _planar_source(fmt: str, head_dim: int, block_size: int) -> torch.Tensor:
     return src
 
 
+def planar_destinations(fmt: str, head_dim: int, block_size: int = 16) -> torch.Tensor:
+    """[block_size, slot_bytes]: where in its planar page each byte of each token's slot goes (the inverse of
+    the planar permutation), for writing single tokens without converting whole pages."""
+    slot = tq_layout(fmt, head_dim).slot_bytes
+    return torch.argsort(_planar_source(fmt, head_dim, block_size)).view(block_size, slot)
+
+
 def planar_from_slots(cache: torch.Tensor, fmt: str, head_dim: int) -> torch.Tensor:
     """The planar layout of an NHD slot cache [blocks, block_size, kv_heads, slot_bytes] (a new tensor)."""
     nb, bs, h, slot = cache.shape

@@ -182,7 +182,7 @@ def _tq_row(fmt: str) -> dict[str, Any]:
 
 
 def _tq_gl_row(fmt: str) -> dict[str, Any]:
-    """The Gluon TurboQuant kernel (kernels/tq_gluon.py; Hopper, k8v4 and 4bit_nc) on a planar cache: the same
+    """The Gluon TurboQuant kernel (kernels/tq_gluon.py; Hopper) on a planar cache: the same
     bytes per token, each KV head's page in 16-byte aligned planes (turboquant.py)."""
     row = dict(_tq_row(fmt))
 
@@ -210,7 +210,7 @@ FORMATS: dict[str, dict[str, Any]] = {
     "fp8_gl": _paged_row("fp8_gl", "fp8", per_head_scales=True, fp8_query=True, kernel="gluon"),
     "fp8_gl_hnd": _paged_row("fp8_gl_hnd", "fp8", per_head_scales=True, layout="HND", fp8_query=True, kernel="gluon"),
     **{fmt: _tq_row(fmt) for fmt in TQ_FORMATS},
-    **{f"{fmt}_gl": _tq_gl_row(fmt) for fmt in ("turboquant_k8v4", "turboquant_4bit_nc")},
+    **{f"{fmt}_gl": _tq_gl_row(fmt) for fmt in TQ_FORMATS},
 }
 GLUON_ROWS = {n for n in FORMATS if n.endswith("_gl") or n.startswith("fp8_gl")}
 """Rows of the Gluon kernels (sm_90 only)."""
@@ -530,12 +530,10 @@ def measured_crossover(sel: list[dict], base: str, col: str) -> int | None:
 
 EVIDENCE_COLUMNS = ("bf16", "fp8", *TQ_FORMATS, "sdpa_cudnn")
 """Columns written by --evidence: the cache formats recommend can choose, and the baseline."""
-EVIDENCE_FROM = {"fp8": ("fp8_gl", "fp8"),
-                 "turboquant_k8v4": ("turboquant_k8v4_gl", "turboquant_k8v4"),
-                 "turboquant_4bit_nc": ("turboquant_4bit_nc_gl", "turboquant_4bit_nc")}
+EVIDENCE_FROM = {"fp8": ("fp8_gl", "fp8"), **{fmt: (f"{fmt}_gl", fmt) for fmt in TQ_FORMATS}}
 """Rows an evidence column is taken from, first present first: our fastest kernel for the format. On
 Hopper that is a Gluon kernel: for fp8 with an e4m3 query (what vLLM's FA3 FP8 path does too), for
-k8v4 and 4bit_nc on planar pages (the same bytes per token)."""
+the TurboQuant formats on planar pages (the same bytes per token)."""
 
 
 def evidence_block(records: list[dict], summary: list[dict], log: dict, gpu_id: str, batch: int = 8) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def main() -> None:
                     for maxnreg, block_n in itertools.product(map(int, args.maxnreg.split(",")),
                                                               map(int, args.block_n.split(","))):
                         cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None)
-                        res = tg.programs_per_sm(geom.head_dim, dev, cfg)
+                        res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev, waves=())
                         tg.default_config = lambda head_dim, cfg=cfg: cfg  # noqa: E731 - the router reads it
                         for scale in map(float, args.split_scale.split(",")):

@@ -37,9 +37,11 @@ import torch
 from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.turboquant import (
     field_planes,
+    k3_program,
     k4_program,
     render_ptx_halves,
     tq_layout,
+    v3_program,
     v4_program,
 )
 from triton.experimental import gluon
@@ -56,12 +58,16 @@ HEAD_DIMS = (64, 128)
 """Head dims it takes."""
 MAX_GROUP = 8
 """Largest GQA group: the N of the score MMA is 8."""
-FORMATS = ("turboquant_k8v4", "turboquant_4bit_nc")
-"""Formats it decodes (4-bit values; FP8 or 4-bit sign-magnitude keys)."""
+FORMATS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+"""Formats it decodes: all four (FP8, 4-bit or 3-bit keys; 4- or 3-bit values)."""
 
 # Unpack programs on whole 32-bit words (4 code bytes), results as fp16 halves: no byte shuffles around them.
 _K4_ASM = gl.constexpr(render_ptx_halves(k4_program(), 4))  # lo centroids of bytes 0-3, then hi
 _V4_ASM = gl.constexpr(render_ptx_halves(v4_program(), 4))  # low nibbles of bytes 0-3, then 16 x high
+# 3-bit: a 2-bit plane word and the word of its 1-bit fields (quarter s at bit 2s) -> quarters 0-3, bytes 0-3
+_K3_ASM = gl.constexpr(render_ptx_halves(k3_program(), 8))
+_V3_ASM = gl.constexpr(render_ptx_halves(v3_program(), 8))  # quarter s as 4^s x code
+_H16_RR = gl.constexpr(",".join(["=h"] * 16) + ",r,r")  # their constraints: 16 fp16 halves from two words
 _FP8_ASM = gl.constexpr("""{
 .reg .b16 a, b;
 .reg .b32 x, y;
@@ -91,9 +97,18 @@ def key_layout(block_n: int, key_bytes: int) -> gl.DistributedLinearLayout:
                                       shape=[block_n, key_bytes // 4])
 
 
-def value_layout(value_bytes: int) -> gl.BlockedLayout:
-    """Register layout of a tile's value code words [block_n, value_bytes / 4]: 16 bytes per thread."""
-    return gl.BlockedLayout([1, 4], [32 // (value_bytes // 16), value_bytes // 16], [4, 1], [1, 0])
+def value_layout(block_n: int, value_bytes: int) -> gl.BlockedLayout:
+    """Register layout of a tile's value code words [block_n, value_bytes / 4] (one code plane's rows): up to 16
+    bytes per thread, every word held by one thread."""
+    words = value_bytes // 4
+    per_thread = min(4, block_n * words // 128)
+    return gl.BlockedLayout([1, per_thread], [32 // (words // per_thread), words // per_thread], [4, 1], [1, 0])
+
+
+def mma_parts(key_bits: int) -> int:
+    """Score MMAs per tile: FP8 keys are one operand; 4-bit codes unpack to two halves of the head (byte j
+    holds coordinates j and j + D/2), 3-bit codes to four quarters (plane byte j: s D/4 + j)."""
+    return {8: 1, 4: 2, 3: 4}[key_bits]
 
 
 def operand_order(key_bytes: int) -> torch.Tensor:
@@ -123,6 +138,22 @@ def _to_operand(x, BN: gl.constexpr, KB: gl.constexpr):
 
 
 @gluon.jit
+def _parts_order(x0, x1, x2, x3, BN: gl.constexpr, W: gl.constexpr):
+    """Four [BN, W] tensors (coordinates s W + j for part s) -> one [BN, 4W] tensor in coordinate order."""
+    y = gl.join(gl.join(x0, x2), gl.join(x1, x3))  # [BN, W, 2, 2]: part = last index + 2 x the one before
+    return gl.reshape(gl.permute(y, (0, 2, 3, 1)), [BN, 4 * W])
+
+
+@gluon.jit
+def _plane_words(cache32_ptr, word0, W: gl.constexpr, LAYOUT: gl.constexpr):
+    """A tile's words of a 1-bit plane, in the shape and layout of its 2-bit plane's words [BN, 2W]: column c
+    takes word c mod W, shifted right by c // W, so that bit 2s of each byte is the field of quarter s of
+    the matching 2-bit plane byte (plane byte j, bits 2s and 2s + 1: coordinates s D/4 + j and s D/4 + j + D/8)."""
+    c = gl.arange(0, 2 * W, layout=gl.SliceLayout(0, LAYOUT))
+    return gl.load(cache32_ptr + word0[:, None] + (c % W)[None, :]) >> (c // W)[None, :]
+
+
+@gluon.jit
 def _page_base(bt_row, tile, seq_len, kvh, L: gl.constexpr, BN: gl.constexpr, SLOT: gl.constexpr,
                NUM_KV: gl.constexpr):
     """Byte offset of each token's page (this KV head's planar page) for tile `tile` (rows of layout L), and
@@ -134,64 +165,99 @@ def _page_base(bt_row, tile, seq_len, kvh, L: gl.constexpr, BN: gl.constexpr, SL
 
 @gluon.jit
 def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.constexpr, SLOT: gl.constexpr,
-               NUM_KV: gl.constexpr, KB: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr, KEY_FP8: gl.constexpr,
-               K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
+               NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr,
+               NF: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
     """The packed bytes of one tile from planar pages, each in the register layout its consumer wants: key
-    bytes for the wgmma A operand (16-byte loads), value codes for the fp16 store, the fp16 fields in the
-    score rows' layout."""
+    code words for the wgmma A operand (16-byte loads), value code words for the fp16 store, the fp16 fields
+    in the score rows' layout. 3-bit codes come as their 2-bit plane's words and the matching 1-bit words
+    (`_plane_words`); other formats return 0 for those."""
+    KBM: gl.constexpr = HEAD_DIM // 4 if KEY_BITS == 3 else HEAD_DIM * KEY_BITS // 8  # first key plane, per token
+    VBM: gl.constexpr = HEAD_DIM // 2 if V_BITS == 4 else HEAD_DIM // 4
+    KB: gl.constexpr = KBM + (HEAD_DIM // 8 if KEY_BITS == 3 else 0)
+    VB: gl.constexpr = VBM + (HEAD_DIM // 8 if V_BITS == 3 else 0)
     pk, rk = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, K_LAYOUT), BN, SLOT, NUM_KV)
-    kc = gl.load(cache32_ptr + ((pk + rk * KB) // 4)[:, None]
-                 + gl.arange(0, KB // 4, layout=gl.SliceLayout(0, K_LAYOUT))[None, :])
+    kc = gl.load(cache32_ptr + ((pk + rk * KBM) // 4)[:, None]
+                 + gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, K_LAYOUT))[None, :])
+    ks = 0
+    if KEY_BITS == 3:
+        ks = _plane_words(cache32_ptr, (pk + 16 * KBM + rk * (HEAD_DIM // 8)) // 4, HEAD_DIM // 32, K_LAYOUT)
     pv, rv = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, V_LAYOUT), BN, SLOT, NUM_KV)
-    vc = gl.load(cache32_ptr + ((pv + 16 * KB + rv * VB) // 4)[:, None]
-                 + gl.arange(0, VB // 4, layout=gl.SliceLayout(0, V_LAYOUT))[None, :])
+    vc = gl.load(cache32_ptr + ((pv + 16 * KB + rv * VBM) // 4)[:, None]
+                 + gl.arange(0, VBM // 4, layout=gl.SliceLayout(0, V_LAYOUT))[None, :])
+    vh = 0
+    if V_BITS == 3:
+        vh = _plane_words(cache32_ptr, (pv + 16 * (KB + VBM) + rv * (HEAD_DIM // 8)) // 4, HEAD_DIM // 32, V_LAYOUT)
     pf, rf = _page_base(bt_row, tile, seq_len, kvh, ROW_S, BN, SLOT, NUM_KV)
     f = cache16_ptr + (pf + 16 * (KB + VB)) // 2 + rf  # plane k of the fields: + 16 k
     knorm = gl.full([BN], 1.0, gl.float32, layout=ROW_S)
-    if not KEY_FP8:
+    if KEY_BITS != 8:
         knorm = gl.load(f).to(gl.float16, bitcast=True).to(gl.float32)
     vscale = gl.load(f + 16 * (NF - 2)).to(gl.float16, bitcast=True).to(gl.float32)
     vzero = gl.load(f + 16 * (NF - 1)).to(gl.float16, bitcast=True).to(gl.float32)
-    return kc, vc, knorm, vscale, vzero
+    return kc, ks, vc, vh, knorm, vscale, vzero
 
 
 @gluon.jit
-def _attend(kc, vc, knorm, vscale, vzero, q_smem, qh_smem, v16_smem, p_smem, m_i, l_part, z_part, acc,
-            tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr, KB: gl.constexpr,
-            KEY_FP8: gl.constexpr, EDGE: gl.constexpr):
-    """One tile: keys unpacked in registers into the score wgmma, value codes to fp16 in shared memory,
+def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem, m_i, l_part, z_part, acc,
+            tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr, KEY_BITS: gl.constexpr,
+            V_BITS: gl.constexpr, EDGE: gl.constexpr):
+    """One tile: keys unpacked in registers into the score wgmmas, value codes to fp16 in shared memory,
     online softmax with the value scale folded into P, P.V. Returns the updated state. EDGE: the tile
     reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common path)."""
-    HALF: gl.constexpr = HEAD_DIM // 2
+    KBM: gl.constexpr = HEAD_DIM // 4 if KEY_BITS == 3 else HEAD_DIM * KEY_BITS // 8
+    W: gl.constexpr = KBM // 4
     s0 = gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT)
-    W: gl.constexpr = KB // 4
-    if KEY_FP8:
+    qt = q_smem.index(0).permute((1, 0))
+    if KEY_BITS == 8:
         h0, h1, h2, h3 = gl.inline_asm_elementwise(_FP8_ASM, "=h,=h,=h,=h,r", [kc], dtype=(gl.float16,) * 4,
                                                    is_pure=True, pack=1)
-        k16 = _to_operand(_bytes_order(h0, h1, h2, h3, BN, W), BN, KB)
-        s = warpgroup_mma(k16, q_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
-    else:
+        k16 = _to_operand(_bytes_order(h0, h1, h2, h3, BN, W), BN, KBM)
+        s = warpgroup_mma(k16, qt, s0, use_acc=False, is_async=True)
+    elif KEY_BITS == 4:
         # byte j holds coordinate j (low nibble) and j + D/2 (high nibble)
         l0, l1, l2, l3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
             _K4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [kc], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-        k_lo = _to_operand(_bytes_order(l0, l1, l2, l3, BN, W), BN, KB)
-        k_hi = _to_operand(_bytes_order(g0, g1, g2, g3, BN, W), BN, KB)
-        s = warpgroup_mma(k_lo, q_smem.permute((1, 0)), s0, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_hi, qh_smem.permute((1, 0)), s, is_async=True)
-
-    # While it runs: value codes to exact fp16 integers. Every warp is past the previous tile's P.V
-    # (its wait), so V16 may be rewritten.
-    gl.thread_barrier()
-    l0, l1, l2, l3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
-        _V4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [vc], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-    v16_smem.slice(0, HALF, dim=1).store(_bytes_order(l0, l1, l2, l3, BN, HALF // 4))
-    # 16 x code: the high nibble stayed in place
-    v16_smem.slice(HALF, HALF, dim=1).store(_bytes_order(g0, g1, g2, g3, BN, HALF // 4))
-
-    if KEY_FP8:
-        s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k16, q_smem))
+        k_lo = _to_operand(_bytes_order(l0, l1, l2, l3, BN, W), BN, KBM)
+        k_hi = _to_operand(_bytes_order(g0, g1, g2, g3, BN, W), BN, KBM)
+        s = warpgroup_mma(k_lo, qt, s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_hi, q_smem.index(1).permute((1, 0)), s, is_async=True)
     else:
-        s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_lo, k_hi, q_smem, qh_smem))
+        # 2-bit plane byte j: quarter s holds coordinate s D/4 + j
+        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = gl.inline_asm_elementwise(
+            _K3_ASM, _H16_RR, [kc, ks], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+        k_0 = _to_operand(_bytes_order(a0, a1, a2, a3, BN, W), BN, KBM)
+        k_1 = _to_operand(_bytes_order(b0, b1, b2, b3, BN, W), BN, KBM)
+        k_2 = _to_operand(_bytes_order(c0, c1, c2, c3, BN, W), BN, KBM)
+        k_3 = _to_operand(_bytes_order(d0, d1, d2, d3, BN, W), BN, KBM)
+        s = warpgroup_mma(k_0, qt, s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_1, q_smem.index(1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_2, q_smem.index(2).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_3, q_smem.index(3).permute((1, 0)), s, is_async=True)
+
+    # While it runs: value codes to exact fp16 integers (times 16 or 4^s: the bits stay where they are).
+    # Every warp is past the previous tile's P.V (its wait), so V16 may be rewritten.
+    gl.thread_barrier()
+    if V_BITS == 4:
+        HALF: gl.constexpr = HEAD_DIM // 2
+        l0, l1, l2, l3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
+            _V4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [vc], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        v16_smem.slice(0, HALF, dim=1).store(_bytes_order(l0, l1, l2, l3, BN, HALF // 4))
+        v16_smem.slice(HALF, HALF, dim=1).store(_bytes_order(g0, g1, g2, g3, BN, HALF // 4))
+    else:
+        Q: gl.constexpr = HEAD_DIM // 4
+        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = gl.inline_asm_elementwise(
+            _V3_ASM, _H16_RR, [vc, vh], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+        v16_smem.store(_parts_order(_bytes_order(a0, a1, a2, a3, BN, Q // 4), _bytes_order(b0, b1, b2, b3, BN, Q // 4),
+                                    _bytes_order(c0, c1, c2, c3, BN, Q // 4), _bytes_order(d0, d1, d2, d3, BN, Q // 4),
+                                    BN, Q))
+
+    if KEY_BITS == 8:
+        s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k16, q_smem))
+    elif KEY_BITS == 4:
+        s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_lo, k_hi, q_smem))
+        s = s * knorm[:, None]
+    else:
+        s, _, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_0, k_1, k_2, k_3, q_smem))
         s = s * knorm[:, None]
     if EDGE:
         # Stale slots may hold NaN norms and scales: masked scores, zero scale and zero point.
@@ -226,36 +292,33 @@ def _tq_gluon_kernel(
     part_lse_ptr, q_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr, BN: gl.constexpr,
-    KEY_FP8: gl.constexpr, NF: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr,
-    HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, NF: gl.constexpr, K_LAYOUT: gl.constexpr,
+    V_LAYOUT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
     seq = gl.program_id(2)
-    HALF: gl.constexpr = HEAD_DIM // 2
-    KB: gl.constexpr = HEAD_DIM if KEY_FP8 else HALF  # key bytes per token, and the K of each score MMA
-    VB: gl.constexpr = HALF
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (KB // 8), KB // 8], [4, 1], [1, 0])
+    KBM: gl.constexpr = HEAD_DIM // 4 if KEY_BITS == 3 else HEAD_DIM * KEY_BITS // 8  # the K of each score MMA
+    NQ: gl.constexpr = HEAD_DIM // KBM  # score MMAs per tile (`mma_parts`)
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (KBM // 8), KBM // 8], [4, 1], [1, 0])
 
     v16_smem = gl.allocate_shared_memory(gl.float16, [BN, HEAD_DIM],
                                          gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.float16))
     p_smem = gl.allocate_shared_memory(gl.float16, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.float16))
-    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, KB], gl.float16)
-    q_smem = gl.allocate_shared_memory(gl.float16, [8, KB], q_smem_layout)
-    qh_smem = gl.allocate_shared_memory(gl.float16, [8, KB], q_smem_layout)
+    q_smem = gl.allocate_shared_memory(gl.float16, [NQ, 8, KBM],
+                                       gl.NVMMASharedLayout.get_default_for([8, KBM], gl.float16))
 
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
 
     # The GQA group's query (rotated and scaled for centroid keys) in fp16, its coordinates in the score
-    # MMA's K order (`operand_order`); two halves of the head for 4-bit keys (byte j of the codes holds
-    # coordinates j and j + D/2).
+    # MMA's K order (`operand_order`), one tile per score MMA (the part of the head its codes unpack to).
     offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
-    order = gl.load(order_ptr + gl.arange(0, KB, layout=gl.SliceLayout(0, q_layout)))
+    order = gl.load(order_ptr + gl.arange(0, KBM, layout=gl.SliceLayout(0, q_layout)))
     q_rows = q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :]
     q_mask = (offs_qh < GROUP)[:, None]
-    q_smem.store((gl.load(q_rows, mask=q_mask, other=0.0).to(gl.float32) * q_scale).to(gl.float16))
-    if not KEY_FP8:
-        qh_smem.store((gl.load(q_rows + HALF, mask=q_mask, other=0.0).to(gl.float32) * q_scale).to(gl.float16))
+    for part in gl.static_range(NQ):
+        q_smem.index(part).store(
+            (gl.load(q_rows + part * KBM, mask=q_mask, other=0.0).to(gl.float32) * q_scale).to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -266,21 +329,23 @@ def _tq_gluon_kernel(
 
     # Software pipeline: the bytes of tile i+1 load while tile i is computed.
     bt_row = block_tables_ptr + seq * stride_bt
-    kc, vc, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, bt_row, tile_lo, seq_len, kvh, BN, SLOT,
-                                              NUM_KV, KB, VB, NF, KEY_FP8, K_LAYOUT, V_LAYOUT)
+    kc, ks, vc, vh, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, bt_row, tile_lo, seq_len, kvh, BN,
+                                                      SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS, NF, K_LAYOUT,
+                                                      V_LAYOUT)
     for tile in range(tile_lo, tile_hi):
-        nkc, nvc, nknorm, nvscale, nvzero = _load_tile(cache32_ptr, cache16_ptr, bt_row, tile + 1, seq_len, kvh, BN,
-                                                       SLOT, NUM_KV, KB, VB, NF, KEY_FP8, K_LAYOUT, V_LAYOUT)
+        nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_tile(
+            cache32_ptr, cache16_ptr, bt_row, tile + 1, seq_len, kvh, BN, SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS,
+            NF, K_LAYOUT, V_LAYOUT)
         tile_start = tile * BN
         if (tile_start < start) | (tile_start + BN > seq_len):
-            m_i, l_part, z_part, acc = _attend(kc, vc, knorm, vscale, vzero, q_smem, qh_smem, v16_smem, p_smem,
+            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem,
                                                m_i, l_part, z_part, acc, tile_start, seq_len, start, HEAD_DIM, BN,
-                                               KB, KEY_FP8, True)
+                                               KEY_BITS, V_BITS, True)
         else:
-            m_i, l_part, z_part, acc = _attend(kc, vc, knorm, vscale, vzero, q_smem, qh_smem, v16_smem, p_smem,
+            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem,
                                                m_i, l_part, z_part, acc, tile_start, seq_len, start, HEAD_DIM, BN,
-                                               KB, KEY_FP8, False)
-        kc, vc, knorm, vscale, vzero = nkc, nvc, nknorm, nvscale, nvzero
+                                               KEY_BITS, V_BITS, False)
+        kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     col: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     l_i = gl.sum(l_part, 0)
@@ -289,8 +354,11 @@ def _tq_gluon_kernel(
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, S_LAYOUT))
     h_mask = offs_h < GROUP
     q_head = kvh * GROUP + offs_h
-    # rows D/2.. hold 16 x the high-nibble codes; out = codes . (P * scale) + sum(P * zero)
-    acc = acc * gl.where(offs_d < HALF, 1.0, 0.0625)[:, None] + z_i[None, :]
+    # Value part k (halves for 4-bit codes, quarters for 3-bit) holds 16^k or 4^k x the codes;
+    # out = codes . (P * scale) + sum(P * zero)
+    VPARTS: gl.constexpr = 2 if V_BITS == 4 else 4
+    VSHIFT: gl.constexpr = 4 if V_BITS == 4 else 2
+    acc = acc * gl.exp2((offs_d // (HEAD_DIM // VPARTS)).to(gl.float32) * -VSHIFT)[:, None] + z_i[None, :]
     if IS_SPLIT:
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         lse = m_i + gl.log2(l_i)  # -inf for an empty split: the merge gives it weight 0
@@ -330,22 +398,27 @@ def default_config(head_dim: int) -> TQGluonConfig:
     return TQGluonConfig(block_n=128 if head_dim >= 128 else 64)
 
 
-REGISTERS = {(64, 64): 96, (64, 128): 160, (128, 64): 152, (128, 128): 255}
-"""Registers per thread of the sm_90 compile (Triton 3.6) by (head_dim, block_n), the larger of the two formats."""
+REGISTERS = {
+    "turboquant_k8v4": {(128, 128): 255, (128, 64): 148, (64, 64): 103, (64, 128): 163},
+    "turboquant_4bit_nc": {(128, 128): 255, (128, 64): 148, (64, 64): 96, (64, 128): 168},
+    "turboquant_k3v4_nc": {(128, 128): 255, (128, 64): 148, (64, 64): 96, (64, 128): 168},
+    "turboquant_3bit_nc": {(128, 128): 255, (128, 64): 166, (64, 64): 96, (64, 128): 164},
+}
+"""Registers per thread of the sm_90 compile (Triton 3.6, no cap) by format and (head_dim, block_n)."""
 
 
 def smem_bytes(head_dim: int, cfg: TQGluonConfig) -> int:
-    """Shared memory of one program: the fp16 value-code tile, P, the two query tiles and 1 KB of the
+    """Shared memory of one program: the fp16 value-code tile, P, the query tiles and 1 KB of the
     compiler's scratch (the cross-warp max)."""
-    return cfg.block_n * head_dim * 2 + 8 * cfg.block_n * 2 + 2 * 8 * head_dim * 2 + 1024
+    return cfg.block_n * head_dim * 2 + 8 * cfg.block_n * 2 + 8 * head_dim * 2 + 1024
 
 
-def programs_per_sm(head_dim: int, device: torch.device, cfg: TQGluonConfig) -> int:
+def programs_per_sm(fmt: str, head_dim: int, device: torch.device, cfg: TQGluonConfig) -> int:
     """Programs resident per SM: one warpgroup with the compile's registers (`REGISTERS`, or the cap) and the
-    shared memory: 2 at head_dim 128 with 128-token tiles, 5 at head_dim 64 with 64-token tiles."""
+    shared memory: 2 at head_dim 128 with 128-token tiles, 4-5 at head_dim 64 with 64-token tiles."""
     from kvpolicy.kernels.decode_attention import resident_programs
 
-    regs = cfg.maxnreg or REGISTERS.get((head_dim, cfg.block_n), 255)
+    regs = cfg.maxnreg or REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n), 255)
     return resident_programs(regs, smem_bytes(head_dim, cfg), 4, device)
 
 
@@ -385,17 +458,16 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
         raise ValueError(f"TQGluonConfig: block_n must be 64 or 128, got {cfg}")
     lay = tq_layout(fmt, head_dim)
     num_kv_heads = cache.shape[1]
-    kb = lay.key_bytes
-    vb = lay.val_bytes
+    kbm = head_dim // mma_parts(lay.key_bits)  # the first code plane's bytes per token (turboquant.code_planes)
+    vbm = head_dim // 2 if lay.value_bits == 4 else head_dim // 4
     part_out, part_lse = split_partials(out, splits)
     _tq_gluon_kernel[(num_kv_heads, splits, batch)](
-        q16, _operand_order_on(kb, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
+        q16, _operand_order_on(kbm, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
         sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale), int(sliding_window or 0),
         splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, SLOT=lay.slot_bytes,
-        BN=cfg.block_n, KEY_FP8=lay.key_fp8, NF=len(field_planes(fmt, head_dim)),
-        K_LAYOUT=key_layout(cfg.block_n, kb),
-        V_LAYOUT=value_layout(vb),
+        BN=cfg.block_n, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, NF=len(field_planes(fmt, head_dim)),
+        K_LAYOUT=key_layout(cfg.block_n, kbm), V_LAYOUT=value_layout(cfg.block_n, vbm),
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and splits == 1,
         IS_SPLIT=splits > 1, num_warps=4, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )

@@ -43,8 +43,13 @@ def _store_kv_tq_kernel(
         blk = slot.to(tl.int64) // PAGE
         pos = slot.to(tl.int64) % PAGE
         page = (blk * NUM_KV + head) * (PAGE * SLOT)
-        row = page + pos * KB  # this token's key bytes
-        vrow = page + PAGE * KB + pos * VB
+        # code planes (turboquant.code_planes): 3-bit codes as a 2-bit plane, then a 1-bit plane
+        KB0: tl.constexpr = HEAD_DIM // 4 if KEY_BITS == 3 else KB
+        VB0: tl.constexpr = HEAD_DIM // 4 if V_BITS == 3 else VB
+        row = page + pos * KB0  # this token's key bytes (its 2-bit fields for 3-bit keys)
+        row1 = page + PAGE * KB0 + pos * (HEAD_DIM // 8)
+        vrow = page + PAGE * KB + pos * VB0
+        vrow1 = page + PAGE * KB + PAGE * VB0 + pos * (HEAD_DIM // 8)
         # fp16 planes after the value rows; plane f holds field f of the page's tokens
         f16 = (page + PAGE * (KB + VB)) // 2 + pos
         KNORM16: tl.constexpr = 0
@@ -52,7 +57,9 @@ def _store_kv_tq_kernel(
         VZERO16: tl.constexpr = VSCALE16 + PAGE
     else:
         row = slot.to(tl.int64) * row_bytes + head * SLOT
+        row1 = row + HEAD_DIM // 4
         vrow = row + V_OFF
+        vrow1 = vrow + HEAD_DIM // 4
         f16 = row >> 1  # slots and strides are even, so fp16 fields are 2-byte aligned
         KNORM16: tl.constexpr = KNORM_OFF // 2
         VSCALE16: tl.constexpr = VSCALE_OFF // 2
@@ -100,7 +107,7 @@ def _store_kv_tq_kernel(
         tl.store(cache_u8_ptr + row[:, None] + cols_c[None, :], packed.to(tl.uint8), mask=valid[:, None])
         if KEY_BITS == 3:
             cols_e = tl.arange(0, E)
-            tl.store(cache_u8_ptr + row[:, None] + C + cols_e[None, :], plane1.to(tl.uint8), mask=valid[:, None])
+            tl.store(cache_u8_ptr + row1[:, None] + cols_e[None, :], plane1.to(tl.uint8), mask=valid[:, None])
         stored = knorm / tl.sqrt(csq)
         tl.store(cache_f16_ptr + f16 + KNORM16, stored.to(tl.float16), mask=valid)
 
@@ -134,7 +141,7 @@ def _store_kv_tq_kernel(
     tl.store(cache_u8_ptr + vrow[:, None] + cols_v[None, :], vpacked.to(tl.uint8), mask=valid[:, None])
     if V_BITS == 3:
         cols_ve = tl.arange(0, VE)
-        tl.store(cache_u8_ptr + vrow[:, None] + VC + cols_ve[None, :], vplane1.to(tl.uint8),
+        tl.store(cache_u8_ptr + vrow1[:, None] + cols_ve[None, :], vplane1.to(tl.uint8),
                  mask=valid[:, None])
     tl.store(cache_f16_ptr + f16 + VSCALE16, scale.to(tl.float16), mask=valid)
     tl.store(cache_f16_ptr + f16 + VZERO16, zero.to(tl.float16), mask=valid)

@@ -265,15 +265,31 @@ def allocate_tq_cache(
 #
 # A second cache layout with the same bytes per token as vLLM's slots: uint8
 # [num_blocks, num_kv_heads, block_size * slot_bytes], one page of one KV head per
-# row, its fields in planes:
+# row, every part of the slot in a plane of the page's tokens:
 #
-#     [key rows: block_size x key_bytes | value rows: block_size x val_bytes |
-#      one plane of block_size fp16 per field (key norm, value scale, value zero) | pad]
+#     [key code planes | value code planes | one plane of block_size fp16 per field
+#      (key norm, value scale, value zero) | pad]
 #
-# A head's page, and every plane in it, then starts on a 16-byte boundary (block_size 16),
-# which TMA copies and 16-byte vector loads need; a slot of the NHD layout starts at
+# 4-bit and FP8 codes are one plane (block_size rows of key_bytes); 3-bit codes are two,
+# the 2-bit fields' rows and then the 1-bit fields' rows (`code_planes`). A head's page,
+# and every plane in it, then starts on a 16-byte boundary (block_size 16), which TMA
+# copies and 16-byte vector loads need; a slot of the NHD layout starts at
 # head x slot_bytes, a multiple of 2 only (bench/probe_tma_alignment.py). The Gluon
 # kernel (`tq_gluon.py`) reads this layout, `tq_store.store_kv_tq` writes both.
+
+
+def code_planes(fmt: str, head_dim: int) -> tuple[tuple[int, int], ...]:
+    """(slot offset, bytes per token) of each code plane of a planar page, in page order: the key's, then the
+    value's. 3-bit codes split into their 2-bit plane (D/4 bytes) and 1-bit plane (D/8 bytes), so that
+    each starts on a 16-byte boundary of the page and a row of either is whole 32-bit words."""
+    lay = tq_layout(fmt, head_dim)
+    planes = []
+    for off, bits, nbytes in ((lay.key_off, lay.key_bits, lay.key_bytes), (lay.val_off, lay.value_bits, lay.val_bytes)):
+        if bits == 3:
+            planes += [(off, head_dim // 4), (off + head_dim // 4, head_dim // 8)]
+        else:
+            planes.append((off, nbytes))
+    return tuple(planes)
 
 
 def field_planes(fmt: str, head_dim: int) -> tuple[int, ...]:
@@ -288,10 +304,8 @@ def _planar_source(fmt: str, head_dim: int, block_size: int) -> torch.Tensor:
     (token * slot_bytes + byte): the permutation between the two layouts."""
     lay = tq_layout(fmt, head_dim)
     tok = torch.arange(block_size)
-    parts = [
-        (tok[:, None] * lay.slot_bytes + lay.key_off + torch.arange(lay.key_bytes)[None, :]).reshape(-1),
-        (tok[:, None] * lay.slot_bytes + lay.val_off + torch.arange(lay.val_bytes)[None, :]).reshape(-1),
-    ]
+    parts = [(tok[:, None] * lay.slot_bytes + off + torch.arange(n)[None, :]).reshape(-1)
+             for off, n in code_planes(fmt, head_dim)]
     for off in field_planes(fmt, head_dim):
         parts.append((tok[:, None] * lay.slot_bytes + off + torch.arange(2)[None, :]).reshape(-1))
     used = lay.vscale_off + 4

@@ -192,8 +192,8 @@ def test_hnd_caches_are_head_major_and_hold_the_formula_bytes():
 
 
 def test_layers_take_the_gluon_kernels_only_where_they_apply(monkeypatch: pytest.MonkeyPatch):
-    """On an sm_90 GPU FP8 and TurboQuant k8v4/4bit_nc layers of head_dim 64/128 report and run `gluon`;
-    BF16 and 3-bit TurboQuant layers, MLA latents and the CPU do not; KVPOLICY_GLUON=0 keeps them on Triton."""
+    """On an sm_90 GPU FP8 and TurboQuant layers of head_dim 64/128 report and run `gluon`; BF16 layers,
+    head_dim 256, MLA latents and the CPU do not; KVPOLICY_GLUON=0 keeps them on Triton."""
     gpt_oss = resolve_model("gpt-oss-20b")
     fp8 = plan_layers(gpt_oss, Variant("fp8"))
     assert {p.kernel_path("triton", gluon=True) for p in fp8 if p.attends} == {"gluon"}
@@ -202,15 +202,18 @@ def test_layers_take_the_gluon_kernels_only_where_they_apply(monkeypatch: pytest
     # skip-sliding: the BF16 sliding layers stay on Triton, the FP8 full layers go to Gluon
     mixed = plan_layers(gpt_oss, parse_variant("fp8_skip_sliding"))
     assert {p.kind: p.kernel_path("triton", gluon=True) for p in mixed} == {"sliding": "triton", "full": "gluon"}
-    for variant in ("bf16", "turboquant_3bit_nc"):
-        assert {p.kernel_path("triton", gluon=True) for p in plan_layers(gpt_oss, parse_variant(variant))} == {"triton"}
-    # TurboQuant k8v4/4bit_nc layers take the Gluon TurboQuant kernel (planar caches)
-    for variant in ("turboquant_4bit_nc", "turboquant_k8v4"):
+    assert {p.kernel_path("triton", gluon=True) for p in plan_layers(gpt_oss, parse_variant("bf16"))} == {"triton"}
+    # every TurboQuant format takes the Gluon TurboQuant kernel (planar caches) at head_dim 64/128
+    for variant in ("turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
         plans = [p for p in plan_layers(gpt_oss, parse_variant(variant)) if p.attends]
         tq = {p.kernel_path("triton", gluon=True) for p in plans if p.fmt.kind == "turboquant"}
         kept = {p.kernel_path("triton", gluon=True) for p in plans if p.fmt.kind != "turboquant"}
         assert tq == {"gluon"} and kept == {"triton"}  # the layers the variant keeps in BF16 stay on Triton
         assert {p.kernel_path("triton", gluon=False) for p in plans} == {"triton"}
+    # head_dim 256 (Gemma 3): the Triton TurboQuant kernel
+    gemma = [p for p in plan_layers(resolve_model("gemma-3-4b"), parse_variant("turboquant_3bit_nc")) if p.attends]
+    assert {p.head_dim for p in gemma} == {256}
+    assert {p.kernel_path("triton", gluon=True) for p in gemma if p.fmt.kind == "turboquant"} == {"triton"}
     mla = resolve_model("deepseek-v3")
     assert plan_layers(mla, Variant("fp8"))[0].kernel_path("triton", gluon=True) == "reference"
     # the device decides: never on the CPU, and the environment can turn it off

@@ -76,14 +76,14 @@ class LayerPlan:
         return self.kind != "linear"
 
     def kernel_path(self, backend: str, gluon: bool = False) -> str:
-        """`triton`; `gluon` for the FP8 and TurboQuant (k8v4, 4bit_nc) layers the Hopper Gluon kernels take, when
+        """`triton`; `gluon` for the FP8 and TurboQuant layers the Hopper Gluon kernels take, when
         `gluon` (the GPU is an sm_90 one: `ops.gluon_available`); `reference` where the kernels do not take this
         layer (or on the CPU)."""
         if backend != "triton":
             return "reference"
         if self.fmt is not None and self.fmt.kind == "turboquant":
             if gluon:
-                # Hopper: k8v4 and 4bit_nc read a planar cache with the Gluon kernel (what it takes is its own to say)
+                # Hopper: TurboQuant layers read a planar cache with the Gluon kernel (what it takes is its own to say)
                 from kvpolicy.kernels import tq_gluon as tg
 
                 if (self.fmt.name in tg.FORMATS and self.head_dim in tg.HEAD_DIMS

@@ -9,8 +9,10 @@ import pytest
 import torch
 from test_tq_decode import TOL_SAME_CACHE, _rel, _run
 
+from kvpolicy.kernels.turboquant import TQ_FORMATS
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-GLUON_FORMATS = ["turboquant_k8v4", "turboquant_4bit_nc"]
+GLUON_FORMATS = list(TQ_FORMATS)
 hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is written for sm_90")
 
 
@@ -61,8 +63,8 @@ def test_gluon_routing_says_why(device: str) -> None:
     kw = dict(bsz=1, hq=8, hkv=2, d=64, seq=(40,))
     with pytest.raises(ValueError, match="cannot decode this call: GQA groups above 8"):
         run_planar("turboquant_4bit_nc", device, kernel="gluon", **{**kw, "hq": 32})
-    with pytest.raises(ValueError, match="decodes turboquant_k8v4 and turboquant_4bit_nc only"):
-        run_planar("turboquant_3bit_nc", device, kernel="gluon", **kw)
+    with pytest.raises(ValueError, match="head_dim 256: it takes 64 or 128"):
+        run_planar("turboquant_3bit_nc", device, kernel="gluon", **{**kw, "d": 256})
     if not HOPPER:
         with pytest.raises(ValueError, match="cannot decode this call"):
             run_planar("turboquant_4bit_nc", device, kernel="auto", **kw)

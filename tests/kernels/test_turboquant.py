@@ -25,6 +25,7 @@ from kvpolicy.kernels.turboquant import (
     SUPPORTED_HEAD_DIMS,
     TQ_FORMATS,
     allocate_tq_cache,
+    code_planes,
     codebook_boundaries,
     field_planes,
     gaussian_mse,
@@ -265,8 +266,8 @@ def test_render_ptx_declares_temporaries() -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_planar_pages_hold_the_slots_bytes_in_aligned_planes(fmt: str, head_dim: int) -> None:
     """A planar cache is a permutation of the slot cache's bytes (same size, round trip exact), each head's
-    page starts on a 16-byte boundary, and its key rows, value rows and fp16 field planes sit where the
-    Gluon kernel reads them."""
+    page starts on a 16-byte boundary, and its code planes (3-bit codes: the 2-bit plane, then the 1-bit
+    plane) and fp16 field planes sit where the Gluon kernel reads them, each on a 16-byte boundary."""
     lay = tq_layout(fmt, head_dim)
     slots = torch.randint(0, 256, (3, 16, 4, lay.slot_bytes), dtype=torch.uint8)
     planar = planar_from_slots(slots, fmt, head_dim)
@@ -275,11 +276,17 @@ def test_planar_pages_hold_the_slots_bytes_in_aligned_planes(fmt: str, head_dim:
     assert (16 * lay.slot_bytes) % 16 == 0
     page = planar[1, 2]  # block 1, head 2
     t = 5
-    assert torch.equal(page[t * lay.key_bytes:(t + 1) * lay.key_bytes], slots[1, t, 2, :lay.key_bytes])
-    v0 = 16 * lay.key_bytes
-    assert torch.equal(page[v0 + t * lay.val_bytes:v0 + (t + 1) * lay.val_bytes],
-                       slots[1, t, 2, lay.val_off:lay.val_off + lay.val_bytes])
+    planes = code_planes(fmt, head_dim)
+    split = 2 if lay.key_bits == 3 else 1
+    assert sum(n for _, n in planes[:split]) == lay.key_bytes and sum(n for _, n in planes[split:]) == lay.val_bytes
+    assert len(planes) == split + (2 if lay.value_bits == 3 else 1)
+    start = 0
+    for off, n in planes:
+        assert start % 16 == 0 and n % 4 == 0
+        assert torch.equal(page[start + t * n:start + (t + 1) * n], slots[1, t, 2, off:off + n])
+        start += 16 * n
     f0 = 16 * (lay.key_bytes + lay.val_bytes)
+    assert start == f0
     for k, off in enumerate(field_planes(fmt, head_dim)):
         assert f0 % 16 == 0
         plane = page[f0 + 32 * k:f0 + 32 * (k + 1)]

@@ -31,7 +31,7 @@ def main() -> None:
     case = build_case(geom, a.batch, a.context, {a.format: row}, sdpa=False, copies=1, device=device)
     args = (case["caches"][a.format], case["query"], case["tables"][0], case["seq_lens"])
     for _ in range(a.iters):
-        if a.format.startswith("turboquant"):
+        if a.format.startswith("turboquant") and not a.format.endswith("_gl"):
             # the library defaults, not bench_decode's in-run tile search (whose trial launches ncu would catch)
             decode_attention_tq(args[1], args[0], args[2], args[3], a.format)
         else:

@@ -37,12 +37,13 @@ import torch
 from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.turboquant import (
     field_planes,
+    SUBNORMAL_UNIT,
     k3_program,
     k4_program,
     render_ptx_halves,
     tq_layout,
-    v3_program,
-    v4_program,
+    v3_subnormal_program,
+    v4_subnormal_program,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -63,10 +64,12 @@ FORMATS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turbo
 
 # Unpack programs on whole 32-bit words (4 code bytes), results as fp16 halves: no byte shuffles around them.
 _K4_ASM = gl.constexpr(render_ptx_halves(k4_program(), 4))  # lo centroids of bytes 0-3, then hi
-_V4_ASM = gl.constexpr(render_ptx_halves(v4_program(), 4))  # low nibbles of bytes 0-3, then 16 x high
+# values as exact fp16 subnormals (code x 2^-24, bytes in the order 0, 2, 1, 3): low nibbles, then 16 x high
+_V4_ASM = gl.constexpr(render_ptx_halves(v4_subnormal_program(), 4))
 # 3-bit: a 2-bit plane word and the word of its 1-bit fields (quarter s at bit 2s) -> quarters 0-3, bytes 0-3
 _K3_ASM = gl.constexpr(render_ptx_halves(k3_program(), 8))
-_V3_ASM = gl.constexpr(render_ptx_halves(v3_program(), 8))  # quarter s as 4^s x code
+_V3_ASM = gl.constexpr(render_ptx_halves(v3_subnormal_program(), 8))  # quarter s as 4^s x code x 2^-24
+_UNSUB = gl.constexpr(1.0 / SUBNORMAL_UNIT)
 _H16_RR = gl.constexpr(",".join(["=h"] * 16) + ",r,r")  # their constraints: 16 fp16 halves from two words
 _FP8_ASM = gl.constexpr("""{
 .reg .b16 a, b;
@@ -234,7 +237,8 @@ def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem, m_i,
         s = warpgroup_mma(k_2, q_smem.index(2).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(k_3, q_smem.index(3).permute((1, 0)), s, is_async=True)
 
-    # While it runs: value codes to exact fp16 integers (times 16 or 4^s: the bits stay where they are).
+    # While it runs: value codes to exact fp16 subnormals (code x 16^k or 4^k x 2^-24: the bits stay where they
+    # are), each group of 4 head-dim positions holding bytes (0, 2, 1, 3): the epilogue undoes both.
     # Every warp is past the previous tile's P.V (its wait), so V16 may be rewritten.
     gl.thread_barrier()
     if V_BITS == 4:
@@ -351,14 +355,15 @@ def _tq_gluon_kernel(
     l_i = gl.sum(l_part, 0)
     z_i = gl.sum(z_part, 0)
     offs_h = gl.arange(0, 8, layout=col)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, S_LAYOUT))
+    rows = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, S_LAYOUT))
+    offs_d = (rows & ~3) | ((rows & 1) << 1) | ((rows >> 1) & 1)  # turboquant.subnormal_byte_order
     h_mask = offs_h < GROUP
     q_head = kvh * GROUP + offs_h
-    # Value part k (halves for 4-bit codes, quarters for 3-bit) holds 16^k or 4^k x the codes;
+    # Value part k (halves for 4-bit codes, quarters for 3-bit) holds 16^k or 4^k x 2^-24 x the codes;
     # out = codes . (P * scale) + sum(P * zero)
     VPARTS: gl.constexpr = 2 if V_BITS == 4 else 4
     VSHIFT: gl.constexpr = 4 if V_BITS == 4 else 2
-    acc = acc * gl.exp2((offs_d // (HEAD_DIM // VPARTS)).to(gl.float32) * -VSHIFT)[:, None] + z_i[None, :]
+    acc = acc * (_UNSUB * gl.exp2((rows // (HEAD_DIM // VPARTS)).to(gl.float32) * -VSHIFT))[:, None] + z_i[None, :]
     if IS_SPLIT:
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         lse = m_i + gl.log2(l_i)  # -inf for an empty split: the merge gives it weight 0
@@ -399,10 +404,10 @@ def default_config(head_dim: int) -> TQGluonConfig:
 
 
 REGISTERS = {
-    "turboquant_k8v4": {(128, 128): 255, (128, 64): 148, (64, 64): 103, (64, 128): 163},
-    "turboquant_4bit_nc": {(128, 128): 255, (128, 64): 148, (64, 64): 96, (64, 128): 168},
-    "turboquant_k3v4_nc": {(128, 128): 255, (128, 64): 148, (64, 64): 96, (64, 128): 168},
-    "turboquant_3bit_nc": {(128, 128): 255, (128, 64): 166, (64, 64): 96, (64, 128): 164},
+    "turboquant_k8v4": {(128, 128): 242, (128, 64): 133, (64, 64): 92, (64, 128): 154},
+    "turboquant_4bit_nc": {(128, 128): 249, (128, 64): 128, (64, 64): 96, (64, 128): 157},
+    "turboquant_k3v4_nc": {(128, 128): 246, (128, 64): 128, (64, 64): 90, (64, 128): 158},
+    "turboquant_3bit_nc": {(128, 128): 251, (128, 64): 127, (64, 64): 91, (64, 128): 159},
 }
 """Registers per thread of the sm_90 compile (Triton 3.6, no cap) by format and (head_dim, block_n)."""
 

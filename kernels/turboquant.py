@@ -493,6 +493,56 @@ def v3_program() -> list[PtxOp]:
     return prog
 
 
+SUBNORMAL_UNIT = 2.0**-24
+"""The fp16 value of mantissa bit 0 under a zero exponent: a code n < 1024 in a half's low 10 bits reads n x 2^-24."""
+
+SELECT = 0xE4
+"""lop3 table of (a & c) | (b & ~c): a's bits where the mask c is set, b's elsewhere."""
+
+
+def v4_subnormal_program() -> list[PtxOp]:
+    """4-bit value codes as exact fp16 subnormals, 5 ops per word (v4_program: 11): in $4 = 4 bytes; out
+    $0 = low nibbles of bytes (0, 2), $1 = of bytes (1, 3), $2 / $3 = 16 x the high nibbles, each half
+    code x 2^-24 (`SUBNORMAL_UNIT`): the bits stay where they are and the exponent field stays 0, so no
+    offset is added or subtracted. Bytes come in the order (0, 2, 1, 3); a kernel that stores them
+    so permutes its head-dim coordinates to match (`tq_gluon`)."""
+    return [
+        ("shr", "t", "$4", 8),
+        ("and", "$0", "$4", 0x000F000F),
+        ("and", "$1", "t", 0x000F000F),
+        ("and", "$2", "$4", 0x00F000F0),
+        ("and", "$3", "t", 0x00F000F0),
+    ]
+
+
+def v3_subnormal_program() -> list[PtxOp]:
+    """3-bit value codes as exact fp16 subnormals, 19 ops per 16 codes (v3_program: 31): in $8 = 2-bit plane
+    bytes, $9 = high-bit bytes (quarter s at bit 2s); out $2s = quarter s of bytes (0, 2), $2s+1 = of
+    bytes (1, 3), each half 4^s x code x 2^-24: the two low bits stay at 2s, 2s+1 and the high bit is
+    moved to 2s+2 (one shift per word), so a quarter is one select and one mask per pair of bytes."""
+    prog: list[PtxOp] = [
+        ("shl", "c", "$9", 2),  # high bits of bytes 0, 2 to 2s + 2
+        ("shr", "a", "$8", 8),  # bytes 1, 3 into the two halves
+        ("shr", "d", "$9", 6),  # their high bits to 2s + 2 (bit 30 of $9 would leave a left shift)
+    ]
+    for s in range(4):
+        low = (0x3 << (2 * s)) * 0x00010001
+        keep = (0x7 << (2 * s)) * 0x00010001
+        prog += [
+            ("lop3", "t", "$8", "c", low, SELECT),
+            ("and", f"${2 * s}", "t", keep),
+            ("lop3", "t", "a", "d", low, SELECT),
+            ("and", f"${2 * s + 1}", "t", keep),
+        ]
+    return prog
+
+
+def subnormal_byte_order(index):
+    """Where value code byte order (0, 2, 1, 3) puts position `index` of a row (works on ints and tensors):
+    positions 4w + (0, 1, 2, 3) hold bytes 4w + (0, 2, 1, 3), i.e. bits 0 and 1 swapped; its own inverse."""
+    return (index & ~3) | ((index & 1) << 1) | ((index >> 1) & 1)
+
+
 _PTX_NAMES = {"and": "and.b32", "shl": "shl.b32", "shr": "shr.b32", "prmt": "prmt.b32", "lop3": "lop3.b32",
               "mad": "mad.lo.u32", "mov": "mov.b32", "hsub2": "sub.f16x2"}
 

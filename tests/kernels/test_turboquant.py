@@ -22,6 +22,7 @@ from kvpolicy.kernels.tq_reference import (
     store_kv_ref,
 )
 from kvpolicy.kernels.turboquant import (
+    SUBNORMAL_UNIT,
     SUPPORTED_HEAD_DIMS,
     TQ_FORMATS,
     allocate_tq_cache,
@@ -43,8 +44,11 @@ from kvpolicy.kernels.turboquant import (
     sorted_index,
     tq_layout,
     turboquant_mse_bound,
+    subnormal_byte_order,
     v3_program,
+    v3_subnormal_program,
     v4_program,
+    v4_subnormal_program,
 )
 
 # Max (1960), "Quantizing for minimum distortion", Table I: optimum N(0,1) quantizer
@@ -231,6 +235,38 @@ def test_v4_program_gives_codes() -> None:
     b = _bytes(x)
     assert torch.equal(lo.double(), (b & 15).double())
     assert torch.equal(hi.double(), 16.0 * (b >> 4).double())
+
+
+def _halves(word: torch.Tensor) -> torch.Tensor:
+    """The two fp16 halves of 32-bit words, as float64 (low half first)."""
+    lo = (word & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16)
+    hi = ((word >> 16) & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16)
+    return torch.stack([lo, hi], dim=-1).double()
+
+
+def test_v4_subnormal_program_gives_codes_times_2_to_the_minus_24() -> None:
+    """Each half is exactly code x 2^-24 (16 x code for high nibbles), bytes in the order (0, 2, 1, 3)."""
+    x = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    regs = emulate_ptx(v4_subnormal_program(), {"$4": x})
+    b = _bytes(x)[:, [0, 2, 1, 3]].double()
+    lo = torch.cat([_halves(regs["$0"]), _halves(regs["$1"])], dim=-1)
+    hi = torch.cat([_halves(regs["$2"]), _halves(regs["$3"])], dim=-1)
+    assert torch.equal(lo, torch.remainder(b, 16) * SUBNORMAL_UNIT)
+    assert torch.equal(hi, 16 * torch.div(b, 16, rounding_mode="floor") * SUBNORMAL_UNIT)
+    assert [subnormal_byte_order(i) for i in range(8)] == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_v3_subnormal_program_gives_codes_times_2_to_the_minus_24() -> None:
+    """Quarter s of every byte is exactly 4^s x code x 2^-24, bytes in the order (0, 2, 1, 3); all 32 bits of
+    both words reach the output (the high bits of byte 3 included)."""
+    p2 = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    high = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    regs = emulate_ptx(v3_subnormal_program(), {"$8": p2, "$9": high})
+    b2, bh = _bytes(p2)[:, [0, 2, 1, 3]], _bytes(high)[:, [0, 2, 1, 3]]
+    for s in range(4):
+        code = ((b2 >> (2 * s)) & 3) | (((bh >> (2 * s)) & 1) << 2)
+        got = torch.cat([_halves(regs[f"${2 * s}"]), _halves(regs[f"${2 * s + 1}"])], dim=-1)
+        assert torch.equal(got, 4.0**s * code.double() * SUBNORMAL_UNIT), f"quarter {s}"
 
 
 def test_render_ptx_halves_returns_each_output_as_two_halves() -> None:

@@ -3,7 +3,7 @@ TurboQuant kernel and cuDNN BF16 SDPA, on the issue-5 geometries, all measured i
 caches; each config's output is checked against the Triton kernel's. GPU only (sm_90).
 
 Usage: python bench/probe_tq_gluon.py [--formats turboquant_4bit_nc,turboquant_k8v4] [--contexts 32768,131072]
-       [--batch 1,8] [--block-n 64,128] [--maxnreg 0,128] [--split-scale 1,2] [--out JSON]
+       [--batch 1,8] [--block-n 64,128] [--maxnreg 0,128] [--split-scale 1,2] [--lazy 1,0] [--out JSON]
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--maxnreg", default="0", help="register caps to try (0: none)")
     p.add_argument("--block-n", default="64,128")
     p.add_argument("--split-scale", default="1,2")
+    p.add_argument("--lazy", default="1", help="lazy softmax max (TQGluonConfig.lazy_max) to try: 1, 0 or 1,0")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -59,12 +60,13 @@ def main() -> None:
                     want = FORMATS[fmt]["decode"](case["caches"][fmt], q, tables[0], sl, case["sinks"]).float()
                     # the Gluon kernel reads the planar layout of the same bytes
                     cache = planar_from_slots(case["caches"][fmt], fmt, geom.head_dim)
-                    for maxnreg, block_n in itertools.product(map(int, args.maxnreg.split(",")),
-                                                              map(int, args.block_n.split(","))):
-                        cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None)
+                    for maxnreg, block_n, lazy in itertools.product(map(int, args.maxnreg.split(",")),
+                                                                    map(int, args.block_n.split(",")),
+                                                                    map(int, args.lazy.split(","))):
+                        cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None, lazy_max=bool(lazy))
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev, waves=())
-                        tg.default_config = lambda head_dim, cfg=cfg: cfg  # noqa: E731 - the router reads it
+                        tg.default_config = lambda fmt, head_dim, cfg=cfg: cfg  # noqa: E731 - the router reads it
                         for scale in map(float, args.split_scale.split(",")):
                             splits = max(1, int(default * scale))
                             try:
@@ -77,10 +79,10 @@ def main() -> None:
                                 print(f"  {fmt} {cfg} splits={splits}: {type(exc).__name__} {str(exc)[:300]}")
                                 continue
                             results.append({"geometry": gname, "batch": batch, "context": ctx, "format": fmt,
-                                            "maxnreg": maxnreg, "block_n": block_n, "resident": res,
+                                            "maxnreg": maxnreg, "block_n": block_n, "lazy_max": bool(lazy), "resident": res,
                                             "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
                                             "baselines": base})
-                            print(f"  {fmt}_gl block_n={block_n} maxnreg={maxnreg} resident={res} "
+                            print(f"  {fmt}_gl block_n={block_n} lazy={lazy} maxnreg={maxnreg} resident={res} "
                                   f"splits={splits}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s; vs Triton "
                                   f"{base[fmt] / us:.2f}x; err vs Triton {err:.1e})", flush=True)
                     del cache

@@ -573,7 +573,7 @@ def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, scale, sliding_w
 
     bsz, _, d = query.shape
     hkv = cache.shape[1]
-    cfg = tq_gluon.default_config(d)
+    cfg = tq_gluon.default_config(fmt, d)
     if num_splits is None:
         span = _span(block_tables, tq_gluon.PAGE, sliding_window, cfg.block_n)
         num_splits = split_count(bsz, hkv, span, cfg.block_n,

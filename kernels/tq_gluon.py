@@ -86,6 +86,10 @@ mov.b32 {$2, $3}, y;
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]))
 A_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT.value, k_width=2))
 ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
+LAZY_MAX_MARGIN = gl.constexpr(4.0)
+"""How far (log2 units) a score may pass the reference max before the tile is redone with the exact max:
+P <= 2^4, so P x value scale stays finite in fp16 for value scales below 4094."""
+FLAGS_LAYOUT = gl.constexpr(gl.BlockedLayout([4], [32], [4], [0]))  # every thread holds the 4 warps' flags
 
 
 def key_layout(block_n: int, key_bytes: int) -> gl.DistributedLinearLayout:
@@ -201,12 +205,13 @@ def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.cons
 
 
 @gluon.jit
-def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem, m_i, l_part, z_part, acc,
+def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem, flag_smem, m_i, l_part, z_part, acc,
             tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr, KEY_BITS: gl.constexpr,
-            V_BITS: gl.constexpr, EDGE: gl.constexpr):
+            V_BITS: gl.constexpr, LAZY: gl.constexpr, EDGE: gl.constexpr):
     """One tile: keys unpacked in registers into the score wgmmas, value codes to fp16 in shared memory,
     online softmax with the value scale folded into P, P.V. Returns the updated state. EDGE: the tile
-    reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common path)."""
+    reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common path). LAZY:
+    `TQGluonConfig.lazy_max`."""
     KBM: gl.constexpr = HEAD_DIM // 4 if KEY_BITS == 3 else HEAD_DIM * KEY_BITS // 8
     W: gl.constexpr = KBM // 4
     s0 = gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT)
@@ -272,21 +277,53 @@ def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem, m_i,
         vzero = gl.where(ok, vzero, 0.0)
 
     # ---- online softmax over the tile's tokens (rows); denominators and zero-point sums per position ----
-    m_new = gl.maximum(m_i, gl.max(s, 0))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(s - m_use[None, :])
-    l_part = l_part * alpha[None, :] + p
-    z_part = z_part * alpha[None, :] + p * vzero[:, None]
-    p_smem.store(gl.permute((p * vscale[:, None]).to(gl.float16), (1, 0)))
-    fence_async_shared()
-    gl.thread_barrier()
-
-    # ---- O^T += codes^T . (P * scale)^T, summed per tile in fp32 registers (two-level) ----
-    pv = warpgroup_mma(v16_smem.permute((1, 0)), p_smem.permute((1, 0)),
-                       gl.zeros([HEAD_DIM, 8], gl.float32, layout=S_LAYOUT), use_acc=False, is_async=True)
-    pv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, v16_smem, p_smem))
-    acc = acc * alpha[None, :] + pv
+    if LAZY:
+        # P against the reference max m_i; each warp flags a score past it by the margin, and the flags are
+        # read after the barrier P needs anyway. Rare (every program's first tile): redo with the exact max.
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        p = gl.exp2(s - m_use[None, :])
+        p_smem.store(gl.permute((p * vscale[:, None]).to(gl.float16), (1, 0)))
+        passed = gl.where(s > (m_i + LAZY_MAX_MARGIN)[None, :], 1, 0)
+        # rows 64 b + 16 w + i of warp w (the wgmma's M blocks): its flag without leaving the warp
+        passed = gl.max(gl.max(gl.reshape(passed, [BN // 64, 4, 128]), 2), 0)
+        flags = flag_smem.index((tile_start // BN) % 2)  # two buffers: a fast warp never overwrites unread flags
+        flags.store(passed)
+        fence_async_shared()
+        gl.thread_barrier()
+        if gl.max(flags.load(FLAGS_LAYOUT), 0) > 0:
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            l_part = l_part * alpha[None, :]
+            z_part = z_part * alpha[None, :]
+            acc = acc * alpha[None, :]
+            m_i = m_new
+            p = gl.exp2(s - m_use[None, :])
+            p_smem.store(gl.permute((p * vscale[:, None]).to(gl.float16), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+        pv = warpgroup_mma(v16_smem.permute((1, 0)), p_smem.permute((1, 0)),
+                           gl.zeros([HEAD_DIM, 8], gl.float32, layout=S_LAYOUT), use_acc=False, is_async=True)
+        l_part = l_part + p
+        z_part = z_part + p * vzero[:, None]
+        pv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, v16_smem, p_smem))
+        acc = acc + pv
+        m_new = m_i
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        l_part = l_part * alpha[None, :] + p
+        z_part = z_part * alpha[None, :] + p * vzero[:, None]
+        p_smem.store(gl.permute((p * vscale[:, None]).to(gl.float16), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+        # ---- O^T += codes^T . (P * scale)^T, summed per tile in fp32 registers (two-level) ----
+        pv = warpgroup_mma(v16_smem.permute((1, 0)), p_smem.permute((1, 0)),
+                           gl.zeros([HEAD_DIM, 8], gl.float32, layout=S_LAYOUT), use_acc=False, is_async=True)
+        pv, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, v16_smem, p_smem))
+        acc = acc * alpha[None, :] + pv
     return m_new, l_part, z_part, acc
 
 
@@ -298,6 +335,7 @@ def _tq_gluon_kernel(
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr, BN: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, NF: gl.constexpr, K_LAYOUT: gl.constexpr,
     V_LAYOUT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    LAZY: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
@@ -311,6 +349,7 @@ def _tq_gluon_kernel(
     p_smem = gl.allocate_shared_memory(gl.float16, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.float16))
     q_smem = gl.allocate_shared_memory(gl.float16, [NQ, 8, KBM],
                                        gl.NVMMASharedLayout.get_default_for([8, KBM], gl.float16))
+    flag_smem = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
 
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
 
@@ -343,12 +382,12 @@ def _tq_gluon_kernel(
         tile_start = tile * BN
         if (tile_start < start) | (tile_start + BN > seq_len):
             m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem,
-                                               m_i, l_part, z_part, acc, tile_start, seq_len, start, HEAD_DIM, BN,
-                                               KEY_BITS, V_BITS, True)
+                                               flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
+                                               HEAD_DIM, BN, KEY_BITS, V_BITS, LAZY, True)
         else:
             m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem,
-                                               m_i, l_part, z_part, acc, tile_start, seq_len, start, HEAD_DIM, BN,
-                                               KEY_BITS, V_BITS, False)
+                                               flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
+                                               HEAD_DIM, BN, KEY_BITS, V_BITS, LAZY, False)
         kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     col: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
@@ -394,22 +433,27 @@ class TQGluonConfig:
     """Tokens per tile (64 or 128): the M of the score MMA."""
     maxnreg: int | None = None
     """Register cap per thread (None: the compiler's choice)."""
+    lazy_max: bool = True
+    """Keep the softmax reference max until a score passes it by `LAZY_MAX_MARGIN` (log2 units): the common
+    tile then needs no cross-warp max and no rescaling, only each warp's "passed" flag, read after the
+    barrier P needs anyway. False: the exact running max of every tile."""
 
 
-def default_config(head_dim: int) -> TQGluonConfig:
-    """The faster tile of bench/probe_tq_gluon.py on an H200 (NOTES_TQ.md, sixth session): 128 tokens at
-    head_dim 128 (Llama layer, batch 8, 128k: 4bit_nc 563 us against 635 for 64; k8v4 487 against 573),
-    64 at head_dim 64 (gpt-oss layer: 4bit_nc 375 us against 405; k8v4 314 against 354)."""
-    return TQGluonConfig(block_n=128 if head_dim >= 128 else 64)
+def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
+    """The faster tile of bench/probe_tq_gluon.py on an H200 (NOTES_TQ.md, seventh session): 128 tokens for
+    FP8 keys at head_dim 128 (Llama layer, batch 8, 128k: k8v4 498 us against 568 for 64), else 64, which
+    leaves 4-5 programs per SM (4bit_nc 514 against 570; 3bit_nc 545 against 605; gpt-oss 4bit_nc 350
+    against 399)."""
+    return TQGluonConfig(block_n=128 if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8 else 64)
 
 
 REGISTERS = {
-    "turboquant_k8v4": {(128, 128): 242, (128, 64): 133, (64, 64): 92, (64, 128): 154},
-    "turboquant_4bit_nc": {(128, 128): 249, (128, 64): 128, (64, 64): 96, (64, 128): 157},
-    "turboquant_k3v4_nc": {(128, 128): 246, (128, 64): 128, (64, 64): 90, (64, 128): 158},
-    "turboquant_3bit_nc": {(128, 128): 251, (128, 64): 127, (64, 64): 91, (64, 128): 159},
+    "turboquant_k8v4": {(128, 128): 241, (128, 64): 145, (64, 64): 91, (64, 128): 155},
+    "turboquant_4bit_nc": {(128, 128): 239, (128, 64): 128, (64, 64): 87, (64, 128): 152},
+    "turboquant_k3v4_nc": {(128, 128): 240, (128, 64): 128, (64, 64): 93, (64, 128): 154},
+    "turboquant_3bit_nc": {(128, 128): 245, (128, 64): 127, (64, 64): 92, (64, 128): 159},
 }
-"""Registers per thread of the sm_90 compile (Triton 3.6, no cap) by format and (head_dim, block_n)."""
+"""Registers per thread of the sm_90 compile (Triton 3.6, no cap, lazy max) by format and (head_dim, block_n)."""
 
 
 def smem_bytes(head_dim: int, cfg: TQGluonConfig) -> int:
@@ -458,7 +502,7 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
 
     batch, num_q_heads, head_dim = query.shape
-    cfg = config or default_config(head_dim)
+    cfg = config or default_config(fmt, head_dim)
     if cfg.block_n not in (64, 128):
         raise ValueError(f"TQGluonConfig: block_n must be 64 or 128, got {cfg}")
     lay = tq_layout(fmt, head_dim)
@@ -474,7 +518,7 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
         BN=cfg.block_n, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, NF=len(field_planes(fmt, head_dim)),
         K_LAYOUT=key_layout(cfg.block_n, kbm), V_LAYOUT=value_layout(cfg.block_n, vbm),
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and splits == 1,
-        IS_SPLIT=splits > 1, num_warps=4, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        IS_SPLIT=splits > 1, LAZY=cfg.lazy_max, num_warps=4, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if splits > 1:
         launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)

@@ -47,10 +47,13 @@ def _paged(fmt, key, value, seq_lens, block_size, device, use_kernel=False, max_
 
 
 def _run(fmt, device, *, bsz=2, hq=8, hkv=2, d=128, seq=(100, 37), block_size=16, splits=None, window=None,
-         sinks=False, outliers=False, planar=False, **decode_kw):
+         sinks=False, outliers=False, planar=False, key_growth=None, **decode_kw):
     """Decode random K/V packed by the reference (into planar pages if `planar`): (out, reference over the
-    same cache, unquantized float64 attention)."""
+    same cache, unquantized float64 attention). `key_growth`: key t scaled by 1 + t / key_growth, so the
+    scores' running max keeps rising along the sequence."""
     key = [torch.randn(n, hkv, d) for n in seq]
+    if key_growth:
+        key = [k * (1 + torch.arange(len(k))[:, None, None] / key_growth) for k in key]
     value = [torch.randn(n, hkv, d) * 0.7 + 0.2 for n in seq]
     if outliers:
         for k in key:

@@ -34,11 +34,32 @@ def test_gluon_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool,
     the output is poisoned with NaN and stale slots hold NaN norms and scales."""
     from kvpolicy.kernels import tq_gluon
 
-    monkeypatch.setattr(tq_gluon, "default_config", lambda head_dim: tq_gluon.TQGluonConfig(block_n=tile))
+    monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: tq_gluon.TQGluonConfig(block_n=tile))
     out, ref, _ = run_planar(fmt, device, bsz=4, hq=hq, hkv=8, d=d, seq=(1, 37, 300, 1025), splits=splits,
                              window=window, sinks=sinks)
     assert not out.isnan().any(), "unwritten output or a read of an unattended (NaN) slot"
     assert _rel(out, ref) <= TOL_SAME_CACHE
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("tile", [64, 128])
+def test_gluon_lazy_max_redoes_tiles_where_scores_rise(fmt: str, lazy: bool, tile: int, device: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys growing 17-fold along 1025 tokens push the running max past the lazy reference (by more than
+    `LAZY_MAX_MARGIN`) tile after tile: each such tile is redone with the exact max, and the output matches
+    the float64 reference as the exact-max kernel's does, with splits and without."""
+    from kvpolicy.kernels import tq_gluon
+
+    monkeypatch.setattr(tq_gluon, "default_config",
+                        lambda fmt, head_dim: tq_gluon.TQGluonConfig(block_n=tile, lazy_max=lazy))
+    for splits in (1, 3):
+        out, ref, _ = run_planar(fmt, device, bsz=2, hq=32, hkv=8, d=128, seq=(1025, 700), splits=splits,
+                                 key_growth=64.0)
+        assert not out.isnan().any()
+        assert _rel(out, ref) <= TOL_SAME_CACHE, f"splits {splits}"
 
 
 @pytest.mark.gpu

@@ -5,27 +5,29 @@ Why a second kernel: the Triton kernel (`tq_decode.py`) is issue-bound (bench/NO
 2-byte-aligned slot bytes into `tl.dot`'s operand layout, a quarter on the softmax of 16 padded MMA
 rows. This kernel, with explicit layouts:
 - reads planar pages (`turboquant.allocate_tq_planar_cache`: the same bytes per token as vLLM's
-  slots, each KV head's page in planes that start on 16-byte boundaries), so every key and value
-  load is a 16-byte load of whole 32-bit code words;
-- unpacks the key words with the Triton kernel's PTX look-up (sign-magnitude 4-bit centroids; e4m3
+  slots, each KV head's page in planes that start on 16-byte boundaries, 3-bit codes as a 2-bit and a
+  1-bit plane), so every key and value load is a load of whole 32-bit code words;
+- unpacks the key words with the Triton kernel's PTX look-up (sign-magnitude 4- or 3-bit centroids; e4m3
   -> fp16 for k8v4) into fp16 halves that *are* the register A operand of an fp16 wgmma with the
   tile's tokens as M: each thread's quarter of a key row is relabelled as the operand's K indices
   (`operand_order`), and the rotated query is stored in that order, so the product is unchanged and
-  the dequantized keys never leave registers;
-- turns value codes into exact fp16 integers in shared memory; the per-token scale folds into P and
-  the zero point into a per-column sum; O^T = codes^T.(P*scale)^T is an fp16 wgmma summed per tile in
-  fp32 registers (two-level);
-- runs the softmax on [tile, 8] (the GQA group padded to 8, not 16) over 128 threads;
+  the dequantized keys never leave registers. 4-bit codes make two score MMAs (the halves of the head),
+  3-bit codes four (its quarters);
+- turns value codes into exact fp16 subnormals (code x 2^-24, 5 ops per word of 8 codes) in shared memory;
+  the per-token scale folds into P and the zero point into a per-column sum; O^T = codes^T.(P*scale)^T is
+  an fp16 wgmma summed per tile in fp32 registers (two-level);
+- runs the softmax on [tile, 8] (the GQA group padded to 8, not 16) over 128 threads, against a lazy
+  reference max: a tile needs no cross-warp max unless a score passes the reference by 2^4;
 - loads tile i+1 while tile i is computed.
 
-Measured on an H200 (bench/results_decode_h200_tq_gluon.log, NOTES_TQ.md sixth session), slope vs
-cuDNN BF16 at batch 8: Llama layer 4bit_nc 0.596x and k8v4 0.509x (Triton: 0.969x, 0.988x); gpt-oss
-layer 0.778x and 0.653x (Triton: 1.219x, 1.230x).
+Measured on an H200 (bench/NOTES_TQ.md, seventh session; bench/RESULTS.md), 128k tokens, batch 8, one
+layer: Llama shape 4bit_nc 500 us, k8v4 473, k3v4_nc 485, 3bit_nc 510 (Triton kernel 934, 956, 1056,
+1112); gpt-oss shape 338, 282, 340, 348 (594, 597, 730, 884): bench/probe_tq_gluon.py, same run and caches.
 
-Scope: `turboquant_k8v4` and `turboquant_4bit_nc`, head_dim 64 or 128, GQA groups up to 8, 16-token
-planar pages, sm_90. `decode_attention_tq` routes planar caches here; the runtime allocates them on
-Hopper (`LayerPlan.kernel_path`). Gluon does not run under the interpreter: this kernel is tested
-on the GPU only (tests/kernels/test_tq_gluon.py), against the same float64 reference.
+Scope: the four TurboQuant formats, head_dim 64 or 128, GQA groups up to 8, 16-token planar pages, sm_90.
+`decode_attention_tq` routes planar caches here; the runtime allocates them on Hopper
+(`LayerPlan.kernel_path`). Gluon does not run under the interpreter: this kernel is tested on the GPU
+only (tests/kernels/test_tq_gluon.py), against the same float64 reference.
 """
 
 from __future__ import annotations

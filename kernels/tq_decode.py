@@ -22,8 +22,8 @@ several splits each program writes a normalised partial output and its base-2
 log-sum-exp, and `_tq_merge_kernel` combines them (and the sinks).
 
 This kernel reads the slot layout [blocks, block_size, kv_heads, slot_bytes]. On Hopper,
-`kernel="gluon"` or `"auto"` routes turboquant_k8v4/4bit_nc on planar pages to `tq_gluon.py`
-(0.5-0.8x cuDNN's slope where this kernel is at 1.0-1.3x; bench/RESULTS.md).
+`kernel="gluon"` or `"auto"` routes TurboQuant caches on planar pages to `tq_gluon.py`
+(0.50-0.78x cuDNN's slope where this kernel is at 0.99-1.87x; bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -450,7 +450,7 @@ def decode_attention_tq(
     register-LUT unpackers (default on a GPU; the interpreter runs the
     equivalent pure-Triton path). `maxnreg` caps the registers per thread (more
     resident programs, possibly spills). `out` (optional) receives the result.
-    `kernel`: "triton" (this module's kernel), "gluon" (`tq_gluon`: Hopper, k8v4 and 4bit_nc; raises
+    `kernel`: "triton" (this module's kernel), "gluon" (`tq_gluon`: Hopper, head_dim 64/128; raises
     ValueError saying why where it does not apply) or "auto" (Gluon where it applies, else Triton).
     The tiling arguments are the Triton kernel's: with any of them set, "auto" picks Triton.
     """

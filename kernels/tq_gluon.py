@@ -132,8 +132,9 @@ def operand_order(key_bytes: int) -> torch.Tensor:
 
 @gluon.jit
 def _bytes_order(h0, h1, h2, h3, BN: gl.constexpr, W: gl.constexpr):
-    """Four [BN, W] tensors holding the values of bytes 0-3 of each word -> one [BN, 4W] tensor in byte order.
-    `join` adds its new axis last, so the outer join picks the lowest bit of the byte index."""
+    """Four [BN, W] tensors, the values for positions 0-3 of each word (its bytes 0-3; for subnormal values
+    bytes 0, 2, 1, 3) -> one [BN, 4W] tensor in that order. `join` adds its new axis last, so the outer
+    join picks the lowest bit of the position."""
     return gl.reshape(gl.join(gl.join(h0, h2), gl.join(h1, h3)), [BN, 4 * W])
 
 

@@ -1,7 +1,7 @@
 """kvpolicy's own kernel measurements as estimates: `kernel slope vs cuDNN` and the `kernels.*` facts.
 
 Evidence entries with a `kernels:` block hold decode-attention fits of kvpolicy's
-kernels (bench/bench_decode.py --evidence: Triton; on Hopper, Gluon for FP8 and turboquant_k8v4/4bit_nc). For a deployment the figure
+kernels (bench/bench_decode.py --evidence: Triton; on Hopper, Gluon for FP8 and the TurboQuant formats). For a deployment the figure
 comes from the user's GPU, else from a GPU of the same generation, at the
 measured layer shape whose head_dim is closest to the model's.
 """

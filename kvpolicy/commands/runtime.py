@@ -226,7 +226,7 @@ def _print_bench(result: Any) -> None:
     fp8_gl = [n for n in gluon if not n.startswith("turboquant")]
     tq_gl = [n for n in gluon if n.startswith("turboquant")]
     # Which kernel ran matters to anyone comparing with vLLM: on Hopper, FP8 layers run the Gluon kernel
-    # with an e4m3 query (FA3's FP8 numerics), and TurboQuant k8v4/4bit_nc layers the Gluon kernel on
+    # with an e4m3 query (FA3's FP8 numerics), and TurboQuant layers the Gluon kernel on
     # planar pages, not the Triton ones.
     kernels = f"; FP8 layers of {', '.join(fp8_gl)} on the Gluon kernel (e4m3 query)" if fp8_gl else ""
     kernels += f"; TurboQuant layers of {', '.join(tq_gl)} on the Gluon kernel (planar pages)" if tq_gl else ""

@@ -5,7 +5,7 @@ cache layout and switches; which switch a layer gets (format, window, sinks,
 two-level, scales) comes from its plan and the variant, never from a policy.
 `backend` is `triton` (CUDA) or `reference` (float64 torch, any device).
 On a Hopper GPU, FP8 layers decode with the Gluon kernel (kernels/decode_gluon.py,
-e4m3 query as in vLLM's FA3 FP8 path), and turboquant_k8v4/4bit_nc layers with the
+e4m3 query as in vLLM's FA3 FP8 path), and TurboQuant layers with the
 Gluon TurboQuant kernel on planar caches (kernels/tq_gluon.py); `KVPOLICY_GLUON=0`
 keeps them on Triton.
 Layers the BF16/FP8 kernel does not take (an MLA latent of 576 dims, head dims
@@ -65,7 +65,7 @@ def _gluon_on(device: torch.device) -> bool:
 
 
 def gluon_available(device: torch.device) -> bool:
-    """Whether FP8 and TurboQuant (k8v4, 4bit_nc) layers decode with the Gluon kernels here: an sm_90 GPU, a Triton with its Gluon API
+    """Whether FP8 and TurboQuant layers decode with the Gluon kernels here: an sm_90 GPU, a Triton with its Gluon API
     (`decode_attention.gluon_runs_on`), and `KVPOLICY_GLUON` not set to 0."""
     return os.environ.get("KVPOLICY_GLUON", "1") != "0" and _gluon_on(device)
 

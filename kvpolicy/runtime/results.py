@@ -55,7 +55,7 @@ class VariantInfo(_Model):
     kv_bytes_per_token: int = 0
     """KV bytes per token over all layers (the KV-bytes formula)."""
     layer_paths: dict[str, list[int]] = Field(default_factory=dict)
-    """Layer indices per path: triton, gluon (FP8, TurboQuant k8v4/4bit_nc layers on Hopper), reference, none (linear)."""
+    """Layer indices per path: triton, gluon (FP8 and TurboQuant layers on Hopper), reference, none (linear)."""
 
 
 class BenchPoint(_Model):

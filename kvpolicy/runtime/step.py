@@ -81,7 +81,7 @@ class DecodeStep:
         return sum(c.nbytes for c in self.caches if c is not None)
 
     def layer_paths(self) -> dict[str, list[int]]:
-        """Layer indices per path: triton, gluon (FP8, TurboQuant k8v4/4bit_nc on Hopper), reference, no-cache (linear)."""
+        """Layer indices per path: triton, gluon (FP8 and TurboQuant on Hopper), reference, no-cache (linear)."""
         out: dict[str, list[int]] = {}
         for p in self.plans:
             path = p.kernel_path(self.backend, ops.gluon_available(self.device)) if p.attends else "none (linear)"

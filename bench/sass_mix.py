@@ -3,6 +3,9 @@
 Why: device time is scarce, and the FP8 decode kernel is instruction-bound
 (bench/NOTES.md v2), so the instruction mix of the KV loop predicts its speed.
 Usage: python bench/sass_mix.py [--fp8] [--fp8-query] [--head-dim 128] [--block-n 128]
+       python bench/sass_mix.py --tq-gluon turboquant_4bit_nc --block-n 64 [--exact-max]
+(the loop count of the Gluon kernel covers both edge/non-edge copies and, with the lazy max, the rare
+exact-max path: compare variants, not absolute numbers)
 """
 from __future__ import annotations
 
@@ -78,6 +81,36 @@ def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages
     return _compile(fn, constexprs, pointers, {"q_scale"}, set(), num_warps, num_stages, maxnreg)
 
 
+def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bool = True,
+                     maxnreg: int | None = None):
+    """The Gluon TurboQuant kernel (kernels/tq_gluon.py) for `fmt`, 8 KV heads, planar pages, split, no sinks."""
+    from kvpolicy.kernels import tq_gluon as tg
+    from kvpolicy.kernels.turboquant import field_planes, tq_layout
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    lay = tq_layout(fmt, head_dim)
+    kbm = head_dim // tg.mma_parts(lay.key_bits)
+    vbm = head_dim // 2 if lay.value_bits == 4 else head_dim // 4
+    constexprs = dict(GROUP=group, NUM_KV=8, HEAD_DIM=head_dim, SLOT=lay.slot_bytes, BN=block_n, KEY_BITS=lay.key_bits,
+                      V_BITS=lay.value_bits, NF=len(field_planes(fmt, head_dim)), K_LAYOUT=tg.key_layout(block_n, kbm),
+                      V_LAYOUT=tg.value_layout(block_n, vbm), HAS_WINDOW=False, HAS_SINKS=False, IS_SPLIT=True,
+                      LAZY=lazy)
+    pointers = {"q_ptr": "*fp16", "order_ptr": "*i32", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
+                "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
+                "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    fn = tg._tq_gluon_kernel
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = pointers.get(name) or ("fp32" if name == "q_scale" else "i32")
+            if name in pointers:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {})))
+
+
 def sass(kernel) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
@@ -134,11 +167,15 @@ def main() -> None:
     ap.add_argument("--swap", action="store_true", help="DecodeConfig.swap_ab (wgmma form)")
     ap.add_argument("--defer-sum", action="store_true", help="DecodeConfig.defer_sum")
     ap.add_argument("--tq", metavar="FORMAT", help="count the TurboQuant kernel for this format instead")
+    ap.add_argument("--tq-gluon", metavar="FORMAT", help="count the Gluon TurboQuant kernel (planar pages) instead")
+    ap.add_argument("--exact-max", action="store_true", help="Gluon TurboQuant: TQGluonConfig.lazy_max off")
     ap.add_argument("--prefetch", action="store_true", help="TurboQuant: register prefetch of the next tile")
     ap.add_argument("--slot", type=int, help="TurboQuant: slot stride in bytes (padding experiments)")
     ap.add_argument("--dump", help="write the full SASS here")
     a = ap.parse_args()
-    if a.tq:
+    if a.tq_gluon:
+        k = compile_tq_gluon(a.tq_gluon, a.head_dim, a.block_n, a.group, not a.exact_max, a.maxnreg)
+    elif a.tq:
         k = compile_tq(a.tq, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, a.prefetch, a.maxnreg, a.slot)
     else:
         k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level, a.maxnreg,
@@ -150,9 +187,9 @@ def main() -> None:
             f.write("\n\n// TTGIR\n" + k.asm["ttgir"])
     ops = loop_mix(text)
     total = sum(ops.values())
-    if a.tq:
+    if a.tq or a.tq_gluon:
         from kvpolicy.kernels.turboquant import tq_layout
-        kv_bytes = a.block_n * tq_layout(a.tq, a.head_dim).slot_bytes
+        kv_bytes = a.block_n * tq_layout(a.tq or a.tq_gluon, a.head_dim).slot_bytes
     else:
         kv_bytes = a.block_n * a.head_dim * 2 * (1 if a.fp8 else 2)
     print(f"shared {k.metadata.shared} B; {resources(k)}")

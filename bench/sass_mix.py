@@ -85,16 +85,11 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
                      maxnreg: int | None = None):
     """The Gluon TurboQuant kernel (kernels/tq_gluon.py) for `fmt`, 8 KV heads, planar pages, split, no sinks."""
     from kvpolicy.kernels import tq_gluon as tg
-    from kvpolicy.kernels.turboquant import field_planes, tq_layout
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    lay = tq_layout(fmt, head_dim)
-    kbm = head_dim // tg.mma_parts(lay.key_bits)
-    vbm = head_dim // 2 if lay.value_bits == 4 else head_dim // 4
-    constexprs = dict(GROUP=group, NUM_KV=8, HEAD_DIM=head_dim, SLOT=lay.slot_bytes, BN=block_n, KEY_BITS=lay.key_bits,
-                      V_BITS=lay.value_bits, NF=len(field_planes(fmt, head_dim)), K_LAYOUT=tg.key_layout(block_n, kbm),
-                      V_LAYOUT=tg.value_layout(block_n, vbm), HAS_WINDOW=False, HAS_SINKS=False, IS_SPLIT=True,
-                      LAZY=lazy)
+    cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg, lazy_max=lazy)
+    constexprs = {**tg.kernel_constexprs(fmt, head_dim, 8 * group, 8, cfg),
+                  "HAS_WINDOW": False, "HAS_SINKS": False, "IS_SPLIT": True}
     pointers = {"q_ptr": "*fp16", "order_ptr": "*i32", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}

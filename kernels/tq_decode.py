@@ -39,6 +39,7 @@ import triton.language as tl
 from kvpolicy.kernels.decode_attention import split_count
 from kvpolicy.kernels.reductions import rmax, rsum
 from kvpolicy.kernels.turboquant import (
+    PLANAR_PAGE,
     k3_program,
     k4_program,
     kernel_tables,
@@ -460,12 +461,12 @@ def decode_attention_tq(
         raise ValueError(f"query must be [batch, q_heads, head_dim]; got {tuple(query.shape)}")
     bsz, hq, d = query.shape
     lay = tq_layout(fmt, d)
-    planar = cache.dim() == 3  # turboquant.allocate_tq_planar_cache: [blocks, kv_heads, 16 * slot_bytes]
+    planar = cache.dim() == 3  # turboquant.allocate_tq_planar_cache: [blocks, kv_heads, PLANAR_PAGE * slot_bytes]
     if cache.dtype != torch.uint8 or not (
             (cache.dim() == 4 and cache.shape[3] == lay.slot_bytes)
-            or (planar and cache.shape[2] == 16 * lay.slot_bytes)):
+            or (planar and cache.shape[2] == PLANAR_PAGE * lay.slot_bytes)):
         raise ValueError(f"{fmt}: cache must be uint8 [blocks, block_size, kv_heads, {lay.slot_bytes}], or planar "
-                         f"[blocks, kv_heads, {16 * lay.slot_bytes}]; got {cache.dtype} {tuple(cache.shape)}")
+                         f"[blocks, kv_heads, {PLANAR_PAGE * lay.slot_bytes}]; got {cache.dtype} {tuple(cache.shape)}")
     hkv = cache.shape[1] if planar else cache.shape[2]
     if hq % hkv:
         raise ValueError(f"q_heads {hq} is not a multiple of kv_heads {hkv}")

@@ -38,8 +38,10 @@ from dataclasses import dataclass
 import torch
 from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.turboquant import (
-    field_planes,
+    PLANAR_PAGE,
     SUBNORMAL_UNIT,
+    code_planes,
+    field_planes,
     k3_program,
     k4_program,
     render_ptx_halves,
@@ -55,8 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-PAGE = 16
-"""Page size (vLLM's default block size)."""
+PAGE = PLANAR_PAGE
+"""Page size (vLLM's default block size); the kernel's 16s are this."""
 HEAD_DIMS = (64, 128)
 """Head dims it takes."""
 MAX_GROUP = 8
@@ -112,12 +114,6 @@ def value_layout(block_n: int, value_bytes: int) -> gl.BlockedLayout:
     words = value_bytes // 4
     per_thread = min(4, block_n * words // 128)
     return gl.BlockedLayout([1, per_thread], [32 // (words // per_thread), words // per_thread], [4, 1], [1, 0])
-
-
-def mma_parts(key_bits: int) -> int:
-    """Score MMAs per tile: FP8 keys are one operand; 4-bit codes unpack to two halves of the head (byte j
-    holds coordinates j and j + D/2), 3-bit codes to four quarters (plane byte j: s D/4 + j)."""
-    return {8: 1, 4: 2, 3: 4}[key_bits]
 
 
 def operand_order(key_bytes: int) -> torch.Tensor:
@@ -176,15 +172,13 @@ def _page_base(bt_row, tile, seq_len, kvh, L: gl.constexpr, BN: gl.constexpr, SL
 @gluon.jit
 def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.constexpr, SLOT: gl.constexpr,
                NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr,
-               NF: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
+               KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr,
+               K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
     """The packed bytes of one tile from planar pages, each in the register layout its consumer wants: key
     code words for the wgmma A operand (16-byte loads), value code words for the fp16 store, the fp16 fields
     in the score rows' layout. 3-bit codes come as their 2-bit plane's words and the matching 1-bit words
-    (`_plane_words`); other formats return 0 for those."""
-    KBM: gl.constexpr = HEAD_DIM // 4 if KEY_BITS == 3 else HEAD_DIM * KEY_BITS // 8  # first key plane, per token
-    VBM: gl.constexpr = HEAD_DIM // 2 if V_BITS == 4 else HEAD_DIM // 4
-    KB: gl.constexpr = KBM + (HEAD_DIM // 8 if KEY_BITS == 3 else 0)
-    VB: gl.constexpr = VBM + (HEAD_DIM // 8 if V_BITS == 3 else 0)
+    (`_plane_words`); other formats return 0 for those. KBM, VBM: bytes per token of the first key and value
+    code plane; KB, VB: of all of them (`kernel_constexprs`)."""
     pk, rk = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, K_LAYOUT), BN, SLOT, NUM_KV)
     kc = gl.load(cache32_ptr + ((pk + rk * KBM) // 4)[:, None]
                  + gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, K_LAYOUT))[None, :])
@@ -210,12 +204,11 @@ def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.cons
 @gluon.jit
 def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem, flag_smem, m_i, l_part, z_part, acc,
             tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr, KEY_BITS: gl.constexpr,
-            V_BITS: gl.constexpr, LAZY: gl.constexpr, EDGE: gl.constexpr):
+            V_BITS: gl.constexpr, KBM: gl.constexpr, LAZY: gl.constexpr, EDGE: gl.constexpr):
     """One tile: keys unpacked in registers into the score wgmmas, value codes to fp16 in shared memory,
     online softmax with the value scale folded into P, P.V. Returns the updated state. EDGE: the tile
     reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common path). LAZY:
     `TQGluonConfig.lazy_max`."""
-    KBM: gl.constexpr = HEAD_DIM // 4 if KEY_BITS == 3 else HEAD_DIM * KEY_BITS // 8
     W: gl.constexpr = KBM // 4
     s0 = gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT)
     qt = q_smem.index(0).permute((1, 0))
@@ -336,15 +329,16 @@ def _tq_gluon_kernel(
     part_lse_ptr, q_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr, BN: gl.constexpr,
-    KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, NF: gl.constexpr, K_LAYOUT: gl.constexpr,
-    V_LAYOUT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
-    LAZY: gl.constexpr,
+    KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
+    VB: gl.constexpr, NF: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, LAZY: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
     seq = gl.program_id(2)
-    KBM: gl.constexpr = HEAD_DIM // 4 if KEY_BITS == 3 else HEAD_DIM * KEY_BITS // 8  # the K of each score MMA
-    NQ: gl.constexpr = HEAD_DIM // KBM  # score MMAs per tile (`mma_parts`)
+    # Score MMAs per tile, each of K = KBM: FP8 keys are one operand; 4-bit codes unpack to the two halves of
+    # the head (byte j holds coordinates j and j + D/2), 3-bit codes to its four quarters (s D/4 + j).
+    NQ: gl.constexpr = HEAD_DIM // KBM
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (KBM // 8), KBM // 8], [4, 1], [1, 0])
 
     v16_smem = gl.allocate_shared_memory(gl.float16, [BN, HEAD_DIM],
@@ -376,21 +370,21 @@ def _tq_gluon_kernel(
     # Software pipeline: the bytes of tile i+1 load while tile i is computed.
     bt_row = block_tables_ptr + seq * stride_bt
     kc, ks, vc, vh, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, bt_row, tile_lo, seq_len, kvh, BN,
-                                                      SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS, NF, K_LAYOUT,
-                                                      V_LAYOUT)
+                                                      SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF,
+                                                      K_LAYOUT, V_LAYOUT)
     for tile in range(tile_lo, tile_hi):
         nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_tile(
             cache32_ptr, cache16_ptr, bt_row, tile + 1, seq_len, kvh, BN, SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS,
-            NF, K_LAYOUT, V_LAYOUT)
+            KBM, KB, VBM, VB, NF, K_LAYOUT, V_LAYOUT)
         tile_start = tile * BN
         if (tile_start < start) | (tile_start + BN > seq_len):
             m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem,
                                                flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
-                                               HEAD_DIM, BN, KEY_BITS, V_BITS, LAZY, True)
+                                               HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, True)
         else:
             m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem,
                                                flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
-                                               HEAD_DIM, BN, KEY_BITS, V_BITS, LAZY, False)
+                                               HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, False)
         kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     col: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
@@ -495,6 +489,20 @@ def _operand_order_on(key_bytes: int, device: str) -> torch.Tensor:
     return operand_order(key_bytes).to(torch.int32).to(device)
 
 
+def kernel_constexprs(fmt: str, head_dim: int, num_q_heads: int, num_kv_heads: int,
+                      cfg: TQGluonConfig) -> dict:
+    """The compile-time arguments of `_tq_gluon_kernel` that follow from the format, the shapes and `cfg`;
+    a launch adds the per-call ones (window, sinks, split). The code planes' widths come from
+    `turboquant.code_planes`, the page layout's own definition."""
+    lay = tq_layout(fmt, head_dim)
+    planes = code_planes(fmt, head_dim)  # the key's, then the value's
+    kbm, vbm = planes[0][1], planes[-2 if lay.value_bits == 3 else -1][1]
+    return dict(GROUP=num_q_heads // num_kv_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, SLOT=lay.slot_bytes,
+                BN=cfg.block_n, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, KBM=kbm, KB=lay.key_bytes, VBM=vbm,
+                VB=lay.val_bytes, NF=len(field_planes(fmt, head_dim)), K_LAYOUT=key_layout(cfg.block_n, kbm),
+                V_LAYOUT=value_layout(cfg.block_n, vbm), LAZY=cfg.lazy_max)
+
+
 def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
                     sinks: torch.Tensor | None, splits: int, out: torch.Tensor,
@@ -508,20 +516,15 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
     cfg = config or default_config(fmt, head_dim)
     if cfg.block_n not in (64, 128):
         raise ValueError(f"TQGluonConfig: block_n must be 64 or 128, got {cfg}")
-    lay = tq_layout(fmt, head_dim)
     num_kv_heads = cache.shape[1]
-    kbm = head_dim // mma_parts(lay.key_bits)  # the first code plane's bytes per token (turboquant.code_planes)
-    vbm = head_dim // 2 if lay.value_bits == 4 else head_dim // 4
+    cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, cfg)
     part_out, part_lse = split_partials(out, splits)
     _tq_gluon_kernel[(num_kv_heads, splits, batch)](
-        q16, _operand_order_on(kbm, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
-        sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale), int(sliding_window or 0),
-        splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_q_heads // num_kv_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, SLOT=lay.slot_bytes,
-        BN=cfg.block_n, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, NF=len(field_planes(fmt, head_dim)),
-        K_LAYOUT=key_layout(cfg.block_n, kbm), V_LAYOUT=value_layout(cfg.block_n, vbm),
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and splits == 1,
-        IS_SPLIT=splits > 1, LAZY=cfg.lazy_max, num_warps=4, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        q16, _operand_order_on(cx["KBM"], str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
+        block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
+        int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
+        out.stride(1), **cx, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and splits == 1,
+        IS_SPLIT=splits > 1, num_warps=4, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if splits > 1:
         launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)

@@ -13,6 +13,7 @@ import torch
 
 from kvpolicy.kernels.turboquant import (
     FP8_E4M3_MAX,
+    PLANAR_PAGE,
     codebook_boundaries,
     hadamard_rotation,
     lloyd_max_codebook,
@@ -167,7 +168,7 @@ def dequantize_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int) -> tuple[
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: str) -> None:
     """Reference store: pack K/V [T, H, D] into `cache` at `slot_mapping` (negative slots skipped); into a
-    planar cache (`turboquant.allocate_tq_planar_cache`, 16-token pages) each slot byte goes where
+    planar cache (`turboquant.allocate_tq_planar_cache`, PLANAR_PAGE-token pages) each slot byte goes where
     `planar_destinations` puts it."""
     keep = slot_mapping >= 0
     slots = pack_slots_ref(key[keep], value[keep], fmt)
@@ -175,7 +176,7 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, sl
         dest = planar_destinations(fmt, key.shape[-1]).to(cache.device)
         where = slot_mapping[keep].long()
         heads = torch.arange(cache.shape[1], device=cache.device)
-        cache[(where // 16)[:, None, None], heads[None, :, None], dest[where % 16][:, None, :]] = slots
+        cache[(where // PLANAR_PAGE)[:, None, None], heads[None, :, None], dest[where % PLANAR_PAGE][:, None, :]] = slots
         return
     nb, bs, h, sb = cache.shape
     flat = cache.view(nb * bs, h, sb)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvpolicy.kernels.reductions import rmax, rmin, rsum
-from kvpolicy.kernels.turboquant import FP8_E4M3_MAX, kernel_tables, tq_layout
+from kvpolicy.kernels.turboquant import FP8_E4M3_MAX, PLANAR_PAGE, code_planes, kernel_tables, tq_layout
 
 
 @triton.jit
@@ -28,8 +28,10 @@ def _store_kv_tq_kernel(
     HEAD_DIM: tl.constexpr, SLOT: tl.constexpr, KEY_BITS: tl.constexpr, V_BITS: tl.constexpr,
     V_OFF: tl.constexpr, KNORM_OFF: tl.constexpr, VSCALE_OFF: tl.constexpr, VZERO_OFF: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    # planar pages (turboquant.py): [blocks, kv_heads, PAGE * SLOT], fields in planes
+    # planar pages (turboquant.py): [blocks, kv_heads, PAGE * SLOT], fields in planes; KB0 / VB0: the
+    # bytes of the first key / value code plane (turboquant.code_planes: all of them unless 3-bit)
     PLANAR: tl.constexpr, PAGE: tl.constexpr, NUM_KV: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+    KB0: tl.constexpr, VB0: tl.constexpr,
     # tiling
     BLOCK_T: tl.constexpr,
 ):
@@ -43,9 +45,7 @@ def _store_kv_tq_kernel(
         blk = slot.to(tl.int64) // PAGE
         pos = slot.to(tl.int64) % PAGE
         page = (blk * NUM_KV + head) * (PAGE * SLOT)
-        # code planes (turboquant.code_planes): 3-bit codes as a 2-bit plane, then a 1-bit plane
-        KB0: tl.constexpr = HEAD_DIM // 4 if KEY_BITS == 3 else KB
-        VB0: tl.constexpr = HEAD_DIM // 4 if V_BITS == 3 else VB
+        # code planes: 3-bit codes as a 2-bit plane, then a 1-bit plane
         row = page + pos * KB0  # this token's key bytes (its 2-bit fields for 3-bit keys)
         row1 = page + PAGE * KB0 + pos * (HEAD_DIM // 8)
         vrow = page + PAGE * KB + pos * VB0
@@ -162,9 +162,11 @@ def store_kv_tq(
         raise ValueError(f"key/value must both be [tokens, kv_heads, head_dim]; got {tuple(key.shape)} and {tuple(value.shape)}")
     t, h, d = key.shape
     lay = tq_layout(fmt, d)
+    planes = code_planes(fmt, d)  # the key's, then the value's
     planar = cache.dim() == 3
-    if planar and (cache.dtype != torch.uint8 or cache.shape[1] != h or cache.shape[2] != 16 * lay.slot_bytes):
-        raise ValueError(f"{fmt}: a planar cache must be uint8 [blocks, {h}, {16 * lay.slot_bytes}] (16-token pages); "
+    if planar and (cache.dtype != torch.uint8 or cache.shape[1] != h or cache.shape[2] != PLANAR_PAGE * lay.slot_bytes):
+        raise ValueError(f"{fmt}: a planar cache must be uint8 [blocks, {h}, {PLANAR_PAGE * lay.slot_bytes}] "
+                         f"({PLANAR_PAGE}-token pages); "
                          f"got {cache.dtype} {tuple(cache.shape)}")
     if not planar and (cache.dtype != torch.uint8 or cache.dim() != 4 or cache.shape[2] != h
                        or cache.shape[3] != lay.slot_bytes):
@@ -189,7 +191,7 @@ def store_kv_tq(
         t, key.stride(0), key.stride(1), value.stride(0), value.stride(1), h * lay.slot_bytes,
         HEAD_DIM=d, SLOT=lay.slot_bytes, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits,
         V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0), VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
-        FP8_MAX=FP8_E4M3_MAX, PLANAR=planar, PAGE=16 if planar else cache.shape[1], NUM_KV=h,
-        KB=lay.key_bytes, VB=lay.val_bytes,
+        FP8_MAX=FP8_E4M3_MAX, PLANAR=planar, PAGE=PLANAR_PAGE if planar else cache.shape[1], NUM_KV=h,
+        KB=lay.key_bytes, VB=lay.val_bytes, KB0=planes[0][1], VB0=planes[-1 if lay.value_bits != 3 else -2][1],
         BLOCK_T=block_t, num_warps=num_warps,
     )

@@ -278,6 +278,10 @@ def allocate_tq_cache(
 # kernel (`tq_gluon.py`) reads this layout, `tq_store.store_kv_tq` writes both.
 
 
+PLANAR_PAGE = 16
+"""Tokens per planar page: vLLM's default block size, and what makes every plane 16-byte aligned."""
+
+
 def code_planes(fmt: str, head_dim: int) -> tuple[tuple[int, int], ...]:
     """(slot offset, bytes per token) of each code plane of a planar page, in page order: the key's, then the
     value's. 3-bit codes split into their 2-bit plane (D/4 bytes) and 1-bit plane (D/8 bytes), so that
@@ -316,7 +320,7 @@ def _planar_source(fmt: str, head_dim: int, block_size: int) -> torch.Tensor:
     return src
 
 
-def planar_destinations(fmt: str, head_dim: int, block_size: int = 16) -> torch.Tensor:
+def planar_destinations(fmt: str, head_dim: int, block_size: int = PLANAR_PAGE) -> torch.Tensor:
     """[block_size, slot_bytes]: where in its planar page each byte of each token's slot goes (the inverse of
     the planar permutation), for writing single tokens without converting whole pages."""
     slot = tq_layout(fmt, head_dim).slot_bytes
@@ -330,7 +334,7 @@ def planar_from_slots(cache: torch.Tensor, fmt: str, head_dim: int) -> torch.Ten
     return pages[..., _planar_source(fmt, head_dim, bs).to(cache.device)].contiguous()
 
 
-def slots_from_planar(cache: torch.Tensor, fmt: str, head_dim: int, block_size: int = 16) -> torch.Tensor:
+def slots_from_planar(cache: torch.Tensor, fmt: str, head_dim: int, block_size: int = PLANAR_PAGE) -> torch.Tensor:
     """The NHD slot layout [blocks, block_size, kv_heads, slot_bytes] of a planar cache (a new tensor)."""
     nb, h, _ = cache.shape
     slot = tq_layout(fmt, head_dim).slot_bytes

@@ -7,12 +7,14 @@ rows. This kernel, with explicit layouts:
 - reads planar pages (`turboquant.allocate_tq_planar_cache`: the same bytes per token as vLLM's
   slots, each KV head's page in planes that start on 16-byte boundaries, 3-bit codes as a 2-bit and a
   1-bit plane), so every key and value load is a load of whole 32-bit code words;
-- unpacks the key words with the Triton kernel's PTX look-up (sign-magnitude 4- or 3-bit centroids; e4m3
-  -> fp16 for k8v4) into fp16 halves that *are* the register A operand of an fp16 wgmma with the
-  tile's tokens as M: each thread's quarter of a key row is relabelled as the operand's K indices
-  (`operand_order`), and the rotated query is stored in that order, so the product is unchanged and
-  the dequantized keys never leave registers. 4-bit codes make two score MMAs (the halves of the head),
-  3-bit codes four (its quarters);
+- unpacks centroid keys with a PTX look-up (`turboquant.k4_int8_program`, `k3_int8_program`: one PRMT per 4
+  codes into an 8-byte table, the sign by XOR) into signed bytes that *are* the register A operand of an int8
+  wgmma with the tile's tokens as M, against the query's two bytes per coordinate (hi, lo: N = 16); FP8
+  keys (k8v4) become fp16 halves for an fp16 wgmma. Each thread's quarter of a key row is relabelled as the
+  operand's K indices (`operand_order`, `turboquant.int8_operand_order`), and the query is stored in that
+  order, so the product is unchanged and the dequantized keys never leave registers. The int8 centroids
+  are within 0.006 / sqrt(D) of the Lloyd-Max ones (as precise as BF16 ones; tests/kernels/test_tq_decode.py:
+  at most 1% more error against unquantized attention);
 - turns value codes into exact fp16 subnormals (code x 2^-24, 5 ops per word of 8 codes) in shared memory;
   the per-token scale folds into P and the zero point into a per-column sum; O^T = codes^T.(P*scale)^T is
   an fp16 wgmma summed per tile in fp32 registers (two-level);
@@ -20,14 +22,12 @@ rows. This kernel, with explicit layouts:
   reference max: a tile needs no cross-warp max unless a score passes the reference by 2^4;
 - loads tile i+1 while tile i is computed.
 
-Measured on an H200 (bench/NOTES_TQ.md, seventh session; bench/RESULTS.md), 128k tokens, batch 8, one
-layer: Llama shape 4bit_nc 500 us, k8v4 473, k3v4_nc 485, 3bit_nc 510 (Triton kernel 934, 956, 1056,
-1112); gpt-oss shape 338, 282, 340, 348 (594, 597, 730, 884): bench/probe_tq_gluon.py, same run and caches.
+Measured on an H200: bench/NOTES_TQ.md (eighth session: int8 keys), bench/RESULTS.md.
 
 Scope: the four TurboQuant formats, head_dim 64 or 128, GQA groups up to 8, 16-token planar pages, sm_90.
 `decode_attention_tq` routes planar caches here; the runtime allocates them on Hopper
 (`LayerPlan.kernel_path`). Gluon does not run under the interpreter: this kernel is tested on the GPU
-only (tests/kernels/test_tq_gluon.py), against the same float64 reference.
+only (tests/kernels/test_tq_gluon.py), against the float64 reference over the centroids it multiplies.
 """
 
 from __future__ import annotations
@@ -42,8 +42,11 @@ from kvpolicy.kernels.turboquant import (
     SUBNORMAL_UNIT,
     code_planes,
     field_planes,
-    k3_program,
-    k4_program,
+    int8_centroids,
+    int8_operand_order,
+    k3_int8_program,
+    k4_int8_program,
+    render_ptx,
     render_ptx_halves,
     tq_layout,
     v3_subnormal_program,
@@ -66,12 +69,12 @@ MAX_GROUP = 8
 FORMATS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 """Formats it decodes: all four (FP8, 4-bit or 3-bit keys; 4- or 3-bit values)."""
 
-# Unpack programs on whole 32-bit words (4 code bytes), results as fp16 halves: no byte shuffles around them.
-_K4_ASM = gl.constexpr(render_ptx_halves(k4_program(), 4))  # lo centroids of bytes 0-3, then hi
+# Unpack programs on whole 32-bit words (4 code bytes). Centroid keys become signed bytes (4 per register, the
+# int8 score MMA's operand); values and FP8 keys become fp16 halves: no byte shuffles around them.
+_K4_I8_ASM = gl.constexpr(render_ptx(k4_int8_program()))
+_K3_I8_ASM = gl.constexpr(render_ptx(k3_int8_program()))
 # values as exact fp16 subnormals (code x 2^-24, bytes in the order 0, 2, 1, 3): low nibbles, then 16 x high
 _V4_ASM = gl.constexpr(render_ptx_halves(v4_subnormal_program(), 4))
-# 3-bit: a 2-bit plane word and the word of its 1-bit fields (quarter s at bit 2s) -> quarters 0-3, bytes 0-3
-_K3_ASM = gl.constexpr(render_ptx_halves(k3_program(), 8))
 _V3_ASM = gl.constexpr(render_ptx_halves(v3_subnormal_program(), 8))  # quarter s as 4^s x code x 2^-24
 _UNSUB = gl.constexpr(1.0 / SUBNORMAL_UNIT)
 _H16_RR = gl.constexpr(",".join(["=h"] * 16) + ",r,r")  # their constraints: 16 fp16 halves from two words
@@ -89,6 +92,11 @@ mov.b32 {$2, $3}, y;
 # head dim) as M; keys are the A operand of the score wgmma, straight from registers.
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]))
 A_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT.value, k_width=2))
+# Centroid keys: an int8 wgmma against the query's hi and lo bytes, N = 16 (columns h and 8 + h in one thread).
+S8_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32]))
+A8_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S8_LAYOUT.value, k_width=4))
+Q_LO = gl.constexpr(254.0)
+"""The query's second byte holds the first byte's rounding residual (at most 1/2) times this."""
 ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
 LAZY_MAX_MARGIN = gl.constexpr(4.0)
 """How far (log2 units) a score may pass the reference max before the tile is redone with the exact max:
@@ -144,6 +152,27 @@ def _to_operand(x, BN: gl.constexpr, KB: gl.constexpr):
 
 
 @gluon.jit
+def _word_bytes(x, BN: gl.constexpr, W: gl.constexpr):
+    """int32 words [BN, W] -> their bytes [BN, 4W] (int8, byte 0 first): truncations that LLVM folds back
+    into the words when the bytes are packed for the PTX program."""
+    b0 = x.to(gl.int8)
+    b1 = (x >> 8).to(gl.int8)
+    b2 = (x >> 16).to(gl.int8)
+    b3 = (x >> 24).to(gl.int8)
+    return gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [BN, 4 * W])
+
+
+@gluon.jit
+def _to_operand8(t, BN: gl.constexpr, KBM: gl.constexpr, G: gl.constexpr):
+    """[BN, KBM, G] signed bytes (output g of the int8 program on byte 4m + i of thread c's quarter of the
+    plane row) -> the int8 A operand [BN, KBM G], output g of word m at K = 16 (m G + g) + 4 c + i
+    (`turboquant.int8_operand_order`): a register relabelling."""
+    M: gl.constexpr = KBM // 16
+    y = gl.permute(gl.reshape(t, [BN, 4, M, 4, G]), (0, 2, 4, 1, 3))
+    return gl.convert_layout(gl.reshape(y, [BN, KBM * G]), A8_LAYOUT)
+
+
+@gluon.jit
 def _parts_order(x0, x1, x2, x3, BN: gl.constexpr, W: gl.constexpr):
     """Four [BN, W] tensors (coordinates s W + j for part s) -> one [BN, 4W] tensor in coordinate order."""
     y = gl.join(gl.join(x0, x2), gl.join(x1, x3))  # [BN, W, 2, 2]: part = last index + 2 x the one before
@@ -160,13 +189,13 @@ def _plane_words(cache32_ptr, word0, W: gl.constexpr, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _page_base(bt_row, tile, seq_len, kvh, L: gl.constexpr, BN: gl.constexpr, SLOT: gl.constexpr,
-               NUM_KV: gl.constexpr):
-    """Byte offset of each token's page (this KV head's planar page) for tile `tile` (rows of layout L), and
-    the token's row in it; page 0 past the sequence (masked later; the table may hold anything there)."""
+def _page_base(bt_row, tile, seq_len, kvh, L: gl.constexpr, BN: gl.constexpr, NUM_KV: gl.constexpr):
+    """Which planar page (page x NUM_KV + this KV head, int64) holds each token of tile `tile` (rows of layout
+    L), and the token's row in it; page 0 past the sequence (masked later; the table may hold anything
+    there). Offsets are then taken in the unit of each load (words, halves): no division of int64."""
     t = tile * BN + gl.arange(0, BN, layout=L)
-    page = gl.load(bt_row + t // 16, mask=t < seq_len, other=0)
-    return (page.to(gl.int64) * NUM_KV + kvh) * (16 * SLOT), t % 16
+    page = gl.load(bt_row + (t >> 4), mask=t < seq_len, other=0)  # t >= 0: shifts, not signed division
+    return page.to(gl.int64) * NUM_KV + kvh, t & 15
 
 
 @gluon.jit
@@ -177,22 +206,27 @@ def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.cons
     """The packed bytes of one tile from planar pages, each in the register layout its consumer wants: key
     code words for the wgmma A operand (16-byte loads), value code words for the fp16 store, the fp16 fields
     in the score rows' layout. 3-bit codes come as their 2-bit plane's words and the matching 1-bit words
-    (`_plane_words`); other formats return 0 for those. KBM, VBM: bytes per token of the first key and value
-    code plane; KB, VB: of all of them (`kernel_constexprs`)."""
-    pk, rk = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, K_LAYOUT), BN, SLOT, NUM_KV)
-    kc = gl.load(cache32_ptr + ((pk + rk * KBM) // 4)[:, None]
+    (`_plane_words`); other formats return 0 for those. Words, not bytes: a byte tensor carried to the next
+    iteration is split into single bytes. KBM, VBM: bytes per token of the first key and value code plane;
+    KB, VB: of all of them (`kernel_constexprs`)."""
+    # page bases in 32-bit words (a page is 16 SLOT bytes, SLOT even) and in halves for the fp16 fields
+    pk, rk = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, K_LAYOUT), BN, NUM_KV)
+    kc = gl.load(cache32_ptr + (pk * (4 * SLOT) + rk * (KBM // 4))[:, None]
                  + gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, K_LAYOUT))[None, :])
     ks = 0
     if KEY_BITS == 3:
-        ks = _plane_words(cache32_ptr, (pk + 16 * KBM + rk * (HEAD_DIM // 8)) // 4, HEAD_DIM // 32, K_LAYOUT)
-    pv, rv = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, V_LAYOUT), BN, SLOT, NUM_KV)
-    vc = gl.load(cache32_ptr + ((pv + 16 * KB + rv * VBM) // 4)[:, None]
+        ks = _plane_words(cache32_ptr, pk * (4 * SLOT) + 4 * KBM + rk * (HEAD_DIM // 32), HEAD_DIM // 32, K_LAYOUT)
+    pv, rv = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, V_LAYOUT), BN, NUM_KV)
+    vc = gl.load(cache32_ptr + (pv * (4 * SLOT) + 4 * KB + rv * (VBM // 4))[:, None]
                  + gl.arange(0, VBM // 4, layout=gl.SliceLayout(0, V_LAYOUT))[None, :])
     vh = 0
     if V_BITS == 3:
-        vh = _plane_words(cache32_ptr, (pv + 16 * (KB + VBM) + rv * (HEAD_DIM // 8)) // 4, HEAD_DIM // 32, V_LAYOUT)
-    pf, rf = _page_base(bt_row, tile, seq_len, kvh, ROW_S, BN, SLOT, NUM_KV)
-    f = cache16_ptr + (pf + 16 * (KB + VB)) // 2 + rf  # plane k of the fields: + 16 k
+        vh = _plane_words(cache32_ptr, pv * (4 * SLOT) + 4 * (KB + VBM) + rv * (HEAD_DIM // 32), HEAD_DIM // 32,
+                          V_LAYOUT)
+    # the score rows are the key rows in the same threads (lane / 4, 8 x register, 16 x warp): no second look-up
+    pf = gl.convert_layout(pk, ROW_S)
+    rf = gl.convert_layout(rk, ROW_S)
+    f = cache16_ptr + pf * (8 * SLOT) + 8 * (KB + VB) + rf  # plane k of the fields: + 16 k
     knorm = gl.full([BN], 1.0, gl.float32, layout=ROW_S)
     if KEY_BITS != 8:
         knorm = gl.load(f).to(gl.float16, bitcast=True).to(gl.float32)
@@ -202,41 +236,36 @@ def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.cons
 
 
 @gluon.jit
-def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem, flag_smem, m_i, l_part, z_part, acc,
-            tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr, KEY_BITS: gl.constexpr,
-            V_BITS: gl.constexpr, KBM: gl.constexpr, LAZY: gl.constexpr, EDGE: gl.constexpr):
-    """One tile: keys unpacked in registers into the score wgmmas, value codes to fp16 in shared memory,
+def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, qf, qc, v16_smem, p_smem, flag_smem, m_i, l_part,
+            z_part, acc, tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr,
+            KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, LAZY: gl.constexpr,
+            EDGE: gl.constexpr):
+    """One tile: keys unpacked in registers into the score wgmma, value codes to fp16 in shared memory,
     online softmax with the value scale folded into P, P.V. Returns the updated state. EDGE: the tile
     reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common path). LAZY:
-    `TQGluonConfig.lazy_max`."""
+    `TQGluonConfig.lazy_max`. Centroid keys: q_smem is the int8 query [16, D] (hi bytes, then lo), qf and
+    qc its per-head factor and offset (see the kernel)."""
     W: gl.constexpr = KBM // 4
-    s0 = gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT)
-    qt = q_smem.index(0).permute((1, 0))
     if KEY_BITS == 8:
         h0, h1, h2, h3 = gl.inline_asm_elementwise(_FP8_ASM, "=h,=h,=h,=h,r", [kc], dtype=(gl.float16,) * 4,
                                                    is_pure=True, pack=1)
         k16 = _to_operand(_bytes_order(h0, h1, h2, h3, BN, W), BN, KBM)
-        s = warpgroup_mma(k16, qt, s0, use_acc=False, is_async=True)
-    elif KEY_BITS == 4:
-        # byte j holds coordinate j (low nibble) and j + D/2 (high nibble)
-        l0, l1, l2, l3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
-            _K4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [kc], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-        k_lo = _to_operand(_bytes_order(l0, l1, l2, l3, BN, W), BN, KBM)
-        k_hi = _to_operand(_bytes_order(g0, g1, g2, g3, BN, W), BN, KBM)
-        s = warpgroup_mma(k_lo, qt, s0, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_hi, q_smem.index(1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k16, q_smem.index(0).permute((1, 0)), gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT),
+                          use_acc=False, is_async=True)
     else:
-        # 2-bit plane byte j: quarter s holds coordinate s D/4 + j
-        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = gl.inline_asm_elementwise(
-            _K3_ASM, _H16_RR, [kc, ks], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-        k_0 = _to_operand(_bytes_order(a0, a1, a2, a3, BN, W), BN, KBM)
-        k_1 = _to_operand(_bytes_order(b0, b1, b2, b3, BN, W), BN, KBM)
-        k_2 = _to_operand(_bytes_order(c0, c1, c2, c3, BN, W), BN, KBM)
-        k_3 = _to_operand(_bytes_order(d0, d1, d2, d3, BN, W), BN, KBM)
-        s = warpgroup_mma(k_0, qt, s0, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_1, q_smem.index(1).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(k_2, q_smem.index(2).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(k_3, q_smem.index(3).permute((1, 0)), s, is_async=True)
+        if KEY_BITS == 4:
+            # byte j holds coordinate j (low nibble) and j + D/2 (high nibble)
+            o0, o1 = gl.inline_asm_elementwise(_K4_I8_ASM, "=r,=r,r", [_word_bytes(kc, BN, W)],
+                                               dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+            k8 = _to_operand8(gl.join(o0, o1), BN, KBM, 2)
+        else:
+            # 2-bit plane byte j: quarter s holds coordinate s D/4 + j
+            o0, o1, o2, o3 = gl.inline_asm_elementwise(_K3_I8_ASM, "=r,=r,=r,=r,r,r",
+                                                       [_word_bytes(kc, BN, W), _word_bytes(ks, BN, W)],
+                                                       dtype=(gl.int8,) * 4, is_pure=True, pack=4)
+            k8 = _to_operand8(gl.reshape(gl.join(gl.join(o0, o2), gl.join(o1, o3)), [BN, KBM, 4]), BN, KBM, 4)
+        s = warpgroup_mma(k8, q_smem.permute((1, 0)), gl.zeros([BN, 16], gl.int32, layout=S8_LAYOUT), use_acc=False,
+                          is_async=True)
 
     # While it runs: value codes to exact fp16 subnormals (code x 16^k or 4^k x 2^-24: the bits stay where they
     # are), each group of 4 head-dim positions holding bytes (0, 2, 1, 3): the epilogue undoes both.
@@ -246,8 +275,9 @@ def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem, flag
         HALF: gl.constexpr = HEAD_DIM // 2
         l0, l1, l2, l3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
             _V4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [vc], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-        v16_smem.slice(0, HALF, dim=1).store(_bytes_order(l0, l1, l2, l3, BN, HALF // 4))
-        v16_smem.slice(HALF, HALF, dim=1).store(_bytes_order(g0, g1, g2, g3, BN, HALF // 4))
+        # one store: two stores into slices of the tile make the compiler put a barrier between them
+        halves = gl.join(_bytes_order(l0, l1, l2, l3, BN, HALF // 4), _bytes_order(g0, g1, g2, g3, BN, HALF // 4))
+        v16_smem.store(gl.reshape(gl.permute(halves, (0, 2, 1)), [BN, HEAD_DIM]))
     else:
         Q: gl.constexpr = HEAD_DIM // 4
         a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = gl.inline_asm_elementwise(
@@ -258,12 +288,14 @@ def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem, flag
 
     if KEY_BITS == 8:
         s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k16, q_smem))
-    elif KEY_BITS == 4:
-        s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_lo, k_hi, q_smem))
-        s = s * knorm[:, None]
     else:
-        s, _, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k_0, k_1, k_2, k_3, q_smem))
-        s = s * knorm[:, None]
+        # (not k8: the wait takes no 8-bit register operands; ptxas keeps an in-flight wgmma's registers)
+        s, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_smem))
+        # columns h and 8 + h: the products with the query's hi and lo bytes, in the same thread
+        hi, lo = gl.split(gl.permute(gl.reshape(s.to(gl.float32), [BN, 2, 8]), (0, 2, 1)))
+        hi = gl.convert_layout(hi, S_LAYOUT)
+        lo = gl.convert_layout(lo, S_LAYOUT)
+        s = (hi + lo * (1.0 / Q_LO) + qc[None, :]) * (qf[None, :] * knorm[:, None])
     if EDGE:
         # Stale slots may hold NaN norms and scales: masked scores, zero scale and zero point.
         pos = tile_start + gl.arange(0, BN, layout=ROW_S)
@@ -331,34 +363,49 @@ def _tq_gluon_kernel(
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr, BN: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
     VB: gl.constexpr, NF: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, LAZY: gl.constexpr,
-    HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    I8_SCALE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
     seq = gl.program_id(2)
-    # Score MMAs per tile, each of K = KBM: FP8 keys are one operand; 4-bit codes unpack to the two halves of
-    # the head (byte j holds coordinates j and j + D/2), 3-bit codes to its four quarters (s D/4 + j).
-    NQ: gl.constexpr = HEAD_DIM // KBM
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (KBM // 8), KBM // 8], [4, 1], [1, 0])
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
 
     v16_smem = gl.allocate_shared_memory(gl.float16, [BN, HEAD_DIM],
                                          gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.float16))
     p_smem = gl.allocate_shared_memory(gl.float16, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.float16))
-    q_smem = gl.allocate_shared_memory(gl.float16, [NQ, 8, KBM],
-                                       gl.NVMMASharedLayout.get_default_for([8, KBM], gl.float16))
+    if KEY_BITS == 8:
+        q_smem = gl.allocate_shared_memory(gl.float16, [1, 8, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([8, HEAD_DIM], gl.float16))
+    else:
+        q_smem = gl.allocate_shared_memory(gl.int8, [16, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([16, HEAD_DIM], gl.int8))
     flag_smem = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
 
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
 
-    # The GQA group's query (rotated and scaled for centroid keys) in fp16, its coordinates in the score
-    # MMA's K order (`operand_order`), one tile per score MMA (the part of the head its codes unpack to).
+    # The GQA group's query (rotated and scaled for centroid keys), its coordinates in the score MMA's K order
+    # (`operand_order`, `int8_operand_order`).
     offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
-    order = gl.load(order_ptr + gl.arange(0, KBM, layout=gl.SliceLayout(0, q_layout)))
-    q_rows = q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :]
-    q_mask = (offs_qh < GROUP)[:, None]
-    for part in gl.static_range(NQ):
-        q_smem.index(part).store(
-            (gl.load(q_rows + part * KBM, mask=q_mask, other=0.0).to(gl.float32) * q_scale).to(gl.float16))
+    order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
+    q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
+                mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32) * q_scale
+    col: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    if KEY_BITS == 8:
+        q_smem.index(0).store(q.to(gl.float16))
+        qf = gl.full([8], 1.0, gl.float32, layout=col)
+        qc = qf
+    else:
+        # Two signed bytes per coordinate: q = step (hi + lo / Q_LO), exact to step / 508. A key byte b stands
+        # for (b + 1/2) / I8_SCALE (`turboquant.int8_centroids`), so q.k = qf (hi.b + lo.b / Q_LO + qc):
+        # qf = step / I8_SCALE, qc = the sum of (hi + lo / Q_LO) / 2.
+        amax = gl.max(gl.abs(q), 1)
+        step = gl.where(amax > 0.0, amax / 127.0, 1.0)
+        x = q / step[:, None]
+        hi = gl.floor(x + 0.5)
+        lo = gl.floor((x - hi) * Q_LO + 0.5)
+        q_smem.store(gl.reshape(gl.permute(gl.join(hi.to(gl.int8), lo.to(gl.int8)), (2, 0, 1)), [16, HEAD_DIM]))
+        qf = gl.convert_layout(step * (1.0 / I8_SCALE), col)
+        qc = gl.convert_layout(0.5 * gl.sum(hi + lo * (1.0 / Q_LO), 1), col)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -378,16 +425,15 @@ def _tq_gluon_kernel(
             KBM, KB, VBM, VB, NF, K_LAYOUT, V_LAYOUT)
         tile_start = tile * BN
         if (tile_start < start) | (tile_start + BN > seq_len):
-            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem,
-                                               flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
+            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, qf, qc, v16_smem,
+                                               p_smem, flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
                                                HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, True)
         else:
-            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, v16_smem, p_smem,
-                                               flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
+            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, qf, qc, v16_smem,
+                                               p_smem, flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
                                                HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, False)
         kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
-    col: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     l_i = gl.sum(l_part, 0)
     z_i = gl.sum(z_part, 0)
     offs_h = gl.arange(0, 8, layout=col)
@@ -445,10 +491,10 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
 
 
 REGISTERS = {
-    "turboquant_k8v4": {(128, 128): 241, (128, 64): 145, (64, 64): 91, (64, 128): 155},
-    "turboquant_4bit_nc": {(128, 128): 239, (128, 64): 128, (64, 64): 87, (64, 128): 152},
-    "turboquant_k3v4_nc": {(128, 128): 240, (128, 64): 128, (64, 64): 93, (64, 128): 154},
-    "turboquant_3bit_nc": {(128, 128): 245, (128, 64): 127, (64, 64): 92, (64, 128): 159},
+    "turboquant_k8v4": {(128, 128): 241, (128, 64): 139, (64, 64): 92, (64, 128): 158},
+    "turboquant_4bit_nc": {(128, 128): 230, (128, 64): 118, (64, 64): 95, (64, 128): 160},
+    "turboquant_k3v4_nc": {(128, 128): 230, (128, 64): 119, (64, 64): 96, (64, 128): 156},
+    "turboquant_3bit_nc": {(128, 128): 244, (128, 64): 119, (64, 64): 104, (64, 128): 159},
 }
 """Registers per thread of the sm_90 compile (Triton 3.6, no cap, lazy max) by format and (head_dim, block_n)."""
 
@@ -484,9 +530,17 @@ def supported(query: torch.Tensor, cache: torch.Tensor, fmt: str) -> tuple[bool,
     return True, ""
 
 
+def query_order(fmt: str, head_dim: int) -> torch.Tensor:
+    """The head coordinate of the query at each K index of the score MMA: `operand_order` for FP8 keys (fp16
+    wgmma), `turboquant.int8_operand_order` for centroid keys (int8 wgmma)."""
+    if tq_layout(fmt, head_dim).key_fp8:
+        return operand_order(head_dim)
+    return int8_operand_order(fmt, head_dim)
+
+
 @functools.cache
-def _operand_order_on(key_bytes: int, device: str) -> torch.Tensor:
-    return operand_order(key_bytes).to(torch.int32).to(device)
+def _query_order_on(fmt: str, head_dim: int, device: str) -> torch.Tensor:
+    return query_order(fmt, head_dim).to(torch.int32).to(device)
 
 
 def kernel_constexprs(fmt: str, head_dim: int, num_q_heads: int, num_kv_heads: int,
@@ -500,7 +554,8 @@ def kernel_constexprs(fmt: str, head_dim: int, num_q_heads: int, num_kv_heads: i
     return dict(GROUP=num_q_heads // num_kv_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, SLOT=lay.slot_bytes,
                 BN=cfg.block_n, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, KBM=kbm, KB=lay.key_bytes, VBM=vbm,
                 VB=lay.val_bytes, NF=len(field_planes(fmt, head_dim)), K_LAYOUT=key_layout(cfg.block_n, kbm),
-                V_LAYOUT=value_layout(cfg.block_n, vbm), LAZY=cfg.lazy_max)
+                V_LAYOUT=value_layout(cfg.block_n, vbm), LAZY=cfg.lazy_max,
+                I8_SCALE=1.0 if lay.key_fp8 else int8_centroids(lay.key_bits)[1])
 
 
 def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
@@ -520,7 +575,7 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
     cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, cfg)
     part_out, part_lse = split_partials(out, splits)
     _tq_gluon_kernel[(num_kv_heads, splits, batch)](
-        q16, _operand_order_on(cx["KBM"], str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
+        q16, _query_order_on(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and splits == 1,

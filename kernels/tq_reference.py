@@ -16,6 +16,7 @@ from kvpolicy.kernels.turboquant import (
     PLANAR_PAGE,
     codebook_boundaries,
     hadamard_rotation,
+    int8_centroid_codebook,
     lloyd_max_codebook,
     planar_destinations,
     sign_magnitude_codes,
@@ -45,10 +46,18 @@ def quantize_keys_ref(key: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
     return codes, stored
 
 
-def dequantize_keys_ref(codes: torch.Tensor, stored_norm: torch.Tensor, bits: int, rotated: bool = False) -> torch.Tensor:
-    """Keys (float64) from codes and stored norms; in the rotated space if `rotated`, else the original."""
+def int8_key_codebook(bits: int, head_dim: int) -> torch.Tensor:
+    """The centroids the Gluon kernel's int8 score MMA multiplies (`turboquant.int8_centroids`), by sorted
+    index like `lloyd_max_codebook`: within 0.006 / sqrt(D) of them, as precise as BF16 centroids."""
+    return int8_centroid_codebook(bits)[sign_magnitude_codes(torch.arange(2**bits), bits)] / math.sqrt(head_dim)
+
+
+def dequantize_keys_ref(codes: torch.Tensor, stored_norm: torch.Tensor, bits: int, rotated: bool = False,
+                        int8_keys: bool = False) -> torch.Tensor:
+    """Keys (float64) from codes and stored norms; in the rotated space if `rotated`, else the original.
+    `int8_keys`: with the int8 kernel's centroids (`int8_key_codebook`) instead of the exact ones."""
     d = codes.shape[-1]
-    cb = lloyd_max_codebook(bits, d).to(codes.device)
+    cb = (int8_key_codebook(bits, d) if int8_keys else lloyd_max_codebook(bits, d)).to(codes.device)
     k_rot = cb[codes] * stored_norm[..., None]
     return k_rot if rotated else k_rot @ hadamard_rotation(d, device=codes.device)
 
@@ -157,11 +166,13 @@ def unpack_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int) -> dict[str, 
     return out
 
 
-def dequantize_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V (float64, original space) that the slots encode."""
+def dequantize_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int,
+                         int8_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (float64, original space) that the slots encode (`int8_keys`: see `dequantize_keys_ref`)."""
     lay = tq_layout(fmt, head_dim)
     f = unpack_slots_ref(slots, fmt, head_dim)
-    k = f["key_fp8"] if lay.key_fp8 else dequantize_keys_ref(f["key_codes"], f["key_norm"], lay.key_bits)
+    k = f["key_fp8"] if lay.key_fp8 else dequantize_keys_ref(f["key_codes"], f["key_norm"], lay.key_bits,
+                                                              int8_keys=int8_keys)
     v = dequantize_values_ref(f["value_codes"], f["value_scale"], f["value_zero"])
     return k, v
 
@@ -217,8 +228,11 @@ def attention_ref(
 def decode_attention_tq_ref(
     query: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, fmt: str,
     sm_scale: float | None = None, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+    int8_keys: bool = False,
 ) -> torch.Tensor:
-    """Float64 attention over the K/V that a packed TurboQuant cache encodes: [B, Hq, D]."""
+    """Float64 attention over the K/V that a packed TurboQuant cache encodes: [B, Hq, D]. `int8_keys`: centroid
+    keys take the Gluon kernel's int8 centroids (`int8_key_codebook`), so that its arithmetic is checked
+    apart from that choice of centroids."""
     bsz, hq, d = query.shape
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if cache.dim() == 3:
@@ -226,7 +240,7 @@ def decode_attention_tq_ref(
     outs = []
     for b in range(bsz):
         slots = gather_cache_ref(cache, block_tables, int(seq_lens[b]), b)
-        k, v = dequantize_slots_ref(slots, fmt, d)
+        k, v = dequantize_slots_ref(slots, fmt, d, int8_keys=int8_keys)
         outs.append(attention_ref(query[b], k, v, scale, sliding_window, sinks))
     return torch.stack(outs)
 
@@ -282,10 +296,10 @@ def emulate_ptx(prog: list, inputs: dict[str, torch.Tensor]) -> dict[str, torch.
         a = val(src[0])
         if op == "and":
             r = a & val(src[1])
-        elif op == "shl":
-            r = (a << src[1]) & 0xFFFFFFFF
+        elif op == "shl":  # PTX clamps shift amounts above 32 (a register amount may be any value)
+            r = (a << val(src[1]).clamp(max=32)) & 0xFFFFFFFF
         elif op == "shr":
-            r = a >> src[1]
+            r = a >> val(src[1]).clamp(max=32)
         elif op == "prmt":
             r = _prmt(a, val(src[1]), val(src[2]))
         elif op == "lop3":

@@ -547,6 +547,119 @@ def subnormal_byte_order(index):
     return (index & ~3) | ((index & 1) << 1) | ((index >> 1) & 1)
 
 
+# --- int8 centroid keys (the Gluon kernel's score MMA) ------------------------------------------------
+#
+# The Gluon kernel multiplies centroid keys as int8 against an int8 query (two bytes per coordinate, hi and
+# lo), so a look-up yields 4 codes per 32-bit register instead of 2 and the score MMA is an int8 wgmma.
+# Byte b stands for (b + 1/2) / S: then ~b = -b - 1 stands for exactly -(b + 1/2) / S, so the sign of a
+# sign-magnitude code is one XOR, and the 1/2 becomes one per-head constant (1/2 x the sum of the query).
+
+
+@functools.lru_cache(maxsize=None)
+def int8_centroids(bits: int) -> tuple[tuple[int, ...], float]:
+    """(bytes b_r, S): unit-variance magnitudes m_r ~ (b_r + 1/2) / S, with S chosen (b_r <= 127) to make the
+    largest error over the 2^(b-1) magnitudes smallest: 0.0057 for 4 bits, 0.0014 for 3 (unit sigma; the
+    4-bit codebook's own RMS error is 0.097)."""
+    m = np.array(_unit_lloyd_max(bits)[2 ** (bits - 1):])
+    scales = np.linspace(8.0, 127.5 / m[-1], 200_001)
+    x = scales[:, None] * m[None, :] - 0.5
+    err = (np.abs(x - np.round(x)) / scales[:, None]).max(axis=1)
+    s = float(scales[int(np.argmin(err))])
+    return tuple(int(v) for v in np.round(s * m - 0.5)), s
+
+
+def int8_centroid_codebook(bits: int) -> torch.Tensor:
+    """float64 [2^b]: the unit-variance value of each sign-magnitude code in the int8 score path (the
+    counterpart of `sign_magnitude_codebook(bits, 1)`): +-(b_r + 1/2) / S."""
+    b, s = int8_centroids(bits)
+    code = torch.arange(2**bits)
+    half = 2 ** (bits - 1)
+    mags = (torch.tensor(b, dtype=torch.float64)[code % half] + 0.5) / s
+    return torch.where(code >= half, -mags, mags)
+
+
+def _int8_table(bits: int) -> tuple[int, int]:
+    """The 8 signed table bytes as two PRMT words: codes 0-7 of the 3-bit table (4 magnitudes, then their
+    negatives), or the 8 magnitudes of the 4-bit table (signs by XOR)."""
+    b, _ = int8_centroids(bits)
+    table = list(b) if bits == 4 else list(b) + [~v & 0xFF for v in b]
+    return (table[0] | table[1] << 8 | table[2] << 16 | table[3] << 24,
+            table[4] | table[5] << 8 | table[6] << 16 | table[7] << 24)
+
+
+XOR = 0x3C
+"""lop3 table of a ^ b."""
+OR_MASKED = 0xEA
+"""lop3 table of (a & b) | c."""
+
+
+def k4_int8_program() -> list[PtxOp]:
+    """4-bit sign-magnitude keys to signed bytes, 10 ops per word of 8 codes: in $2 = 4 code bytes; out $0 =
+    the bytes of nibbles 0-3 (byte 0 low, byte 0 high, byte 1 low, byte 1 high), $1 = of nibbles 4-7. The
+    magnitude is one PRMT (its selector nibbles are the codes with the sign masked); the sign is a byte mask
+    from PRMT's sign-replicate mode on the code bytes (bit 7 of w << 4 is nibble 0's sign bit) and one XOR."""
+    ta, tb = _int8_table(4)
+    return [
+        ("shl", "t", "$2", 4),
+        ("and", "s", "$2", 0x7777),
+        ("prmt", "$0", ta, tb, "s"),
+        ("prmt", "m", "t", "$2", 0xD9C8),  # sign of nibble i -> 0xFF in byte i
+        ("lop3", "$0", "$0", "m", 0, XOR),
+        ("shr", "s", "$2", 16),
+        ("and", "s", "s", 0x7777),
+        ("prmt", "$1", ta, tb, "s"),
+        ("prmt", "m", "t", "$2", 0xFBEA),
+        ("lop3", "$1", "$1", "m", 0, XOR),
+    ]
+
+
+def k3_int8_program() -> list[PtxOp]:
+    """3-bit sign-magnitude keys to signed bytes, 13 ops per 16 codes: in $4 = 2-bit plane bytes (quarter s
+    at bits 2s, 2s+1), $5 = their sign bytes (quarter s at bit 2s, as for `k3_program`). Out $0 / $1: quarters 0 and 2 of bytes 0-1 / 2-3 (byte 0 q0,
+    byte 0 q2, byte 1 q0, byte 1 q2), $2 / $3: quarters 1 and 3. Each selector nibble is a whole 3-bit code
+    (the sign moved to bit 2), read from the 8-byte signed table by one PRMT."""
+    ta, tb = _int8_table(3)
+    return [
+        ("shl", "t", "$5", 2),
+        ("and", "t", "t", 0x44444444),
+        ("lop3", "x", "$4", 0x33333333, "t", OR_MASKED),  # nibbles: quarters 0, 2 with their signs
+        ("shr", "y", "$4", 2),
+        ("and", "t", "$5", 0x44444444),
+        ("lop3", "y", "y", 0x33333333, "t", OR_MASKED),  # quarters 1, 3
+        ("prmt", "$0", ta, tb, "x"),
+        ("shr", "x", "x", 16),
+        ("prmt", "$1", ta, tb, "x"),
+        ("prmt", "$2", ta, tb, "y"),
+        ("shr", "y", "y", 16),
+        ("prmt", "$3", ta, tb, "y"),
+    ]
+
+
+def int8_operand_order(fmt: str, head_dim: int) -> torch.Tensor:
+    """The head coordinate at each K index of the Gluon kernel's int8 score MMA, for centroid keys.
+
+    Thread c of a quad holds bytes [c w, (c + 1) w) of its key rows' first code plane (w = plane bytes / 4),
+    i.e. words m = 0 .. w/4 - 1; the int8 program turns word m into G = 2 (4-bit) or 4 (3-bit) registers g of
+    four codes i. The int8 A operand wants K indices 32 k + 16 h + 4 c + i in register (k, h) of thread c,
+    so register g of word m is given K = 16 (m G + g) + 4 c + i (a register relabelling, no data movement),
+    and the query is stored in this order."""
+    lay = tq_layout(fmt, head_dim)
+    if lay.key_bits not in (3, 4):
+        raise ValueError(f"{fmt}: int8 keys are for centroid formats")
+    g_n = 2 if lay.key_bits == 4 else 4
+    plane = head_dim // 2 if lay.key_bits == 4 else head_dim // 4
+    w = plane // 4
+    k = torch.arange(head_dim)
+    r, c, i = k // 16, (k // 4) % 4, k % 4
+    m, g = r // g_n, r % g_n
+    if lay.key_bits == 4:
+        byte = c * w + 4 * m + (4 * g + i) // 2
+        return byte + (i % 2) * (head_dim // 2)
+    quarter = 2 * (i % 2) + g // 2
+    byte = c * w + 4 * m + 2 * (g % 2) + i // 2
+    return quarter * (head_dim // 4) + byte
+
+
 _PTX_NAMES = {"and": "and.b32", "shl": "shl.b32", "shr": "shr.b32", "prmt": "prmt.b32", "lop3": "lop3.b32",
               "mad": "mad.lo.u32", "mov": "mov.b32", "hsub2": "sub.f16x2"}
 

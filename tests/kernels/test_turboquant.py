@@ -31,7 +31,12 @@ from kvpolicy.kernels.turboquant import (
     field_planes,
     gaussian_mse,
     hadamard_rotation,
+    int8_centroid_codebook,
+    int8_centroids,
+    int8_operand_order,
+    k3_int8_program,
     k3_program,
+    k4_int8_program,
     k4_program,
     lloyd_max_codebook,
     planar_from_slots,
@@ -344,3 +349,89 @@ def test_reference_decodes_planar_and_slot_caches_alike() -> None:
     seq = torch.tensor([40], dtype=torch.int32)
     assert torch.equal(decode_attention_tq_ref(query, planar, tables, seq, fmt),
                        decode_attention_tq_ref(query, slots, tables, seq, fmt))
+
+
+# --- int8 centroid keys (the Gluon kernel's score path) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_int8_centroids_are_close_and_exactly_odd(bits: int) -> None:
+    """Each magnitude within 0.006 (unit sigma) of the Lloyd-Max one, far below the codebook's own error, and
+    the table odd: a negative code's byte ~b stands for exactly minus the positive one."""
+    exact = sign_magnitude_codebook(bits, 1)
+    approx = int8_centroid_codebook(bits)
+    assert (approx - exact).abs().max() < 0.006
+    half = 2 ** (bits - 1)
+    assert torch.equal(approx[half:], -approx[:half])
+    b, _ = int8_centroids(bits)
+    assert max(b) <= 127 and min(b) >= 0
+
+
+def _int8_lanes(word: torch.Tensor) -> torch.Tensor:
+    """The four signed bytes of 32-bit words, byte 0 first."""
+    b = _bytes(word)
+    return torch.where(b >= 128, b - 256, b)
+
+
+def _int8_value(byte: torch.Tensor, bits: int) -> torch.Tensor:
+    return (byte.double() + 0.5) / int8_centroids(bits)[1]
+
+
+def test_k4_int8_program_gives_signed_centroid_bytes() -> None:
+    """Output 0 holds nibbles 0-3 of the word (byte 0 low, byte 0 high, byte 1 low, byte 1 high), output 1
+    nibbles 4-7; each byte is the int8 value of that sign-magnitude code."""
+    x = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    regs = emulate_ptx(k4_int8_program(), {"$2": x})
+    nib = torch.stack([(x >> (4 * n)) & 15 for n in range(8)], dim=-1)
+    got = torch.cat([_int8_value(_int8_lanes(regs["$0"]), 4), _int8_value(_int8_lanes(regs["$1"]), 4)], dim=-1)
+    assert torch.equal(got, int8_centroid_codebook(4)[nib])
+
+
+def test_k3_int8_program_gives_signed_centroid_bytes() -> None:
+    """Outputs 0/1: quarters 0 and 2 of bytes 0-1 / 2-3 (byte 0 q0, byte 0 q2, ...); outputs 2/3: quarters 1
+    and 3. The sign of quarter s of byte j is bit 2s of sign byte j; the odd bits do not matter."""
+    p2 = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    signs = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
+    regs = emulate_ptx(k3_int8_program(), {"$4": p2, "$5": signs})
+    b2, bs = _bytes(p2), _bytes(signs)
+    cb = int8_centroid_codebook(3)
+    for out, (quarters, first) in enumerate([((0, 2), 0), ((0, 2), 2), ((1, 3), 0), ((1, 3), 2)]):
+        got = _int8_value(_int8_lanes(regs[f"${out}"]), 3)
+        for i in range(4):
+            j, s = first + i // 2, quarters[i % 2]
+            code = ((b2[:, j] >> (2 * s)) & 3) | (((bs[:, j] >> (2 * s)) & 1) << 2)
+            assert torch.equal(got[:, i], cb[code]), f"output {out} byte {i}"
+
+
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_int8_operand_order_is_the_relabelled_unpack(fmt: str, d: int) -> None:
+    """Pack one key row's codes as the cache does, run the int8 program on each thread's words, relabel the
+    registers as the Gluon kernel does (register g of word m of thread c -> K = 16 (m G + g) + 4 c + i):
+    K index k then holds the code of coordinate int8_operand_order[k], a permutation of the head."""
+    bits = tq_layout(fmt, d).key_bits
+    codes = torch.randint(0, 2**bits, (d,))
+    packed = _pack_codes(codes, bits).to(torch.int64)
+    plane = d // 2 if bits == 4 else d // 4
+    w = plane // 4
+    words = lambda b: sum(b[..., e::4] << (8 * e) for e in range(4))  # noqa: E731  bytes -> little-endian words
+    order = int8_operand_order(fmt, d)
+    assert torch.equal(order.sort().values, torch.arange(d))
+    g_n = 2 if bits == 4 else 4
+    got = torch.empty(d, dtype=torch.int64)
+    for c in range(4):
+        p2 = words(packed[c * w:(c + 1) * w])
+        if bits == 4:
+            regs = emulate_ptx(k4_int8_program(), {"$2": p2})
+        else:
+            e = d // 8
+            j = torch.arange(c * w, (c + 1) * w)
+            # the kernel's sign words (`tq_gluon._plane_words`): byte j mod D/8 of the 1-bit plane >> j // (D/8)
+            regs = emulate_ptx(k3_int8_program(), {"$4": p2, "$5": words(packed[plane + j % e] >> (j // e))})
+        for m in range(w // 4):
+            for g in range(g_n):
+                lanes = _int8_lanes(regs[f"${g}"][m])
+                for i in range(4):
+                    got[16 * (m * g_n + g) + 4 * c + i] = lanes[i]
+    cb = int8_centroid_codebook(bits)
+    assert torch.equal(_int8_value(got, bits), cb[codes[order]])

@@ -97,6 +97,7 @@ S8_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta
 A8_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S8_LAYOUT.value, k_width=4))
 Q_LO = gl.constexpr(254.0)
 """The query's second byte holds the first byte's rounding residual (at most 1/2) times this."""
+Q_LO_INT = gl.constexpr(254)
 ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
 LAZY_MAX_MARGIN = gl.constexpr(4.0)
 """How far (log2 units) a score may pass the reference max before the tile is redone with the exact max:
@@ -216,7 +217,8 @@ def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.cons
     ks = 0
     if KEY_BITS == 3:
         ks = _plane_words(cache32_ptr, pk * (4 * SLOT) + 4 * KBM + rk * (HEAD_DIM // 32), HEAD_DIM // 32, K_LAYOUT)
-    pv, rv = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, V_LAYOUT), BN, NUM_KV)
+    pv = gl.convert_layout(pk, gl.SliceLayout(1, V_LAYOUT))  # the same rows in the same threads
+    rv = gl.convert_layout(rk, gl.SliceLayout(1, V_LAYOUT))
     vc = gl.load(cache32_ptr + (pv * (4 * SLOT) + 4 * KB + rv * (VBM // 4))[:, None]
                  + gl.arange(0, VBM // 4, layout=gl.SliceLayout(0, V_LAYOUT))[None, :])
     vh = 0
@@ -292,10 +294,10 @@ def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, qf, qc, v16_smem, p_sm
         # (not k8: the wait takes no 8-bit register operands; ptxas keeps an in-flight wgmma's registers)
         s, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_smem))
         # columns h and 8 + h: the products with the query's hi and lo bytes, in the same thread
-        hi, lo = gl.split(gl.permute(gl.reshape(s.to(gl.float32), [BN, 2, 8]), (0, 2, 1)))
-        hi = gl.convert_layout(hi, S_LAYOUT)
-        lo = gl.convert_layout(lo, S_LAYOUT)
-        s = (hi + lo * (1.0 / Q_LO) + qc[None, :]) * (qf[None, :] * knorm[:, None])
+        hi, lo = gl.split(gl.permute(gl.reshape(s, [BN, 2, 8]), (0, 2, 1)))
+        # Q_LO hi + lo in int32 (|hi| <= D 127^2, so no overflow), one conversion
+        x = gl.convert_layout(hi * Q_LO_INT + lo, S_LAYOUT).to(gl.float32)
+        s = (x + qc[None, :]) * (qf[None, :] * knorm[:, None])
     if EDGE:
         # Stale slots may hold NaN norms and scales: masked scores, zero scale and zero point.
         pos = tile_start + gl.arange(0, BN, layout=ROW_S)
@@ -396,16 +398,16 @@ def _tq_gluon_kernel(
         qc = qf
     else:
         # Two signed bytes per coordinate: q = step (hi + lo / Q_LO), exact to step / 508. A key byte b stands
-        # for (b + 1/2) / I8_SCALE (`turboquant.int8_centroids`), so q.k = qf (hi.b + lo.b / Q_LO + qc):
-        # qf = step / I8_SCALE, qc = the sum of (hi + lo / Q_LO) / 2.
+        # for (b + 1/2) / I8_SCALE (`turboquant.int8_centroids`), so q.k = qf (Q_LO hi.b + lo.b + qc):
+        # qf = step / (Q_LO I8_SCALE), qc = the sum of (Q_LO hi + lo) / 2.
         amax = gl.max(gl.abs(q), 1)
         step = gl.where(amax > 0.0, amax / 127.0, 1.0)
         x = q / step[:, None]
         hi = gl.floor(x + 0.5)
         lo = gl.floor((x - hi) * Q_LO + 0.5)
         q_smem.store(gl.reshape(gl.permute(gl.join(hi.to(gl.int8), lo.to(gl.int8)), (2, 0, 1)), [16, HEAD_DIM]))
-        qf = gl.convert_layout(step * (1.0 / I8_SCALE), col)
-        qc = gl.convert_layout(0.5 * gl.sum(hi + lo * (1.0 / Q_LO), 1), col)
+        qf = gl.convert_layout(step * (1.0 / (Q_LO * I8_SCALE)), col)
+        qc = gl.convert_layout(0.5 * gl.sum(hi * Q_LO + lo, 1), col)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -486,17 +488,21 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     """The faster tile of bench/probe_tq_gluon.py on an H200 (NOTES_TQ.md, seventh session): 128 tokens for
     FP8 keys at head_dim 128 (Llama layer, batch 8, 128k: k8v4 498 us against 568 for 64), else 64, which
     leaves 4-5 programs per SM (4bit_nc 514 against 570; 3bit_nc 545 against 605; gpt-oss 4bit_nc 350
-    against 399)."""
-    return TQGluonConfig(block_n=128 if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8 else 64)
+    against 399). 64-token tiles at head_dim 128 are capped at 128 registers, which keeps 4 programs per SM
+    (3bit_nc compiles to 136 without the cap, to 127 with it and no spills; the others stay under it)."""
+    if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
+        return TQGluonConfig(block_n=128)
+    return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)
 
 
 REGISTERS = {
-    "turboquant_k8v4": {(128, 128): 241, (128, 64): 139, (64, 64): 92, (64, 128): 158},
-    "turboquant_4bit_nc": {(128, 128): 230, (128, 64): 118, (64, 64): 95, (64, 128): 160},
-    "turboquant_k3v4_nc": {(128, 128): 230, (128, 64): 119, (64, 64): 96, (64, 128): 156},
-    "turboquant_3bit_nc": {(128, 128): 244, (128, 64): 119, (64, 64): 104, (64, 128): 159},
+    "turboquant_k8v4": {(128, 128): 242, (128, 64): 137, (64, 64): 93, (64, 128): 155},
+    "turboquant_4bit_nc": {(128, 128): 224, (128, 64): 114, (64, 64): 87, (64, 128): 159},
+    "turboquant_k3v4_nc": {(128, 128): 232, (128, 64): 119, (64, 64): 90, (64, 128): 154},
+    "turboquant_3bit_nc": {(128, 128): 242, (128, 64): 136, (64, 64): 99, (64, 128): 157},
 }
-"""Registers per thread of the sm_90 compile (Triton 3.6, no cap, lazy max) by format and (head_dim, block_n)."""
+"""Registers per thread of the sm_90 compile (Triton 3.6, no cap, lazy max) by format and (head_dim, block_n);
+`TQGluonConfig.maxnreg` overrides them."""
 
 
 def smem_bytes(head_dim: int, cfg: TQGluonConfig) -> int:
@@ -554,7 +560,7 @@ def kernel_constexprs(fmt: str, head_dim: int, num_q_heads: int, num_kv_heads: i
     return dict(GROUP=num_q_heads // num_kv_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, SLOT=lay.slot_bytes,
                 BN=cfg.block_n, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, KBM=kbm, KB=lay.key_bytes, VBM=vbm,
                 VB=lay.val_bytes, NF=len(field_planes(fmt, head_dim)), K_LAYOUT=key_layout(cfg.block_n, kbm),
-                V_LAYOUT=value_layout(cfg.block_n, vbm), LAZY=cfg.lazy_max,
+                V_LAYOUT=key_layout(cfg.block_n, vbm), LAZY=cfg.lazy_max,
                 I8_SCALE=1.0 if lay.key_fp8 else int8_centroids(lay.key_bits)[1])
 
 

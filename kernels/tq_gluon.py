@@ -106,23 +106,16 @@ FLAGS_LAYOUT = gl.constexpr(gl.BlockedLayout([4], [32], [4], [0]))  # every thre
 
 
 def key_layout(block_n: int, key_bytes: int) -> gl.DistributedLinearLayout:
-    """Register layout of a tile's key code words [block_n, key_bytes / 4] (int32) in memory order: each
-    thread holds a contiguous quarter of a row (one or two 16-byte loads) for the rows the wgmma A operand
-    gives it (r, r + 8 of its warp's 16, and + 64 for 128-token tiles). `_to_operand` relabels the
-    unpacked values as that operand."""
+    """Register layout of a tile's code words of one plane [block_n, key_bytes / 4] (int32) in memory order:
+    each thread holds a contiguous quarter of a row (one or two 16-byte loads) for the rows the wgmma A
+    operand gives it (r, r + 8 of its warp's 16, and + 64 for 128-token tiles), which are also the score
+    rows. `_to_operand` / `_to_operand8` relabel the unpacked keys as that operand; the value words take the
+    same layout, so one page look-up serves keys, values and fields."""
     cw = key_bytes // 16  # words per thread per row
     reg = [[0, 1 << k] for k in range(cw.bit_length() - 1)] + [[8, 0]] + ([[64, 0]] if block_n == 128 else [])
     lanes = [[0, cw], [0, 2 * cw], [1, 0], [2, 0], [4, 0]]
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lanes, warp_bases=[[16, 0], [32, 0]], block_bases=[],
                                       shape=[block_n, key_bytes // 4])
-
-
-def value_layout(block_n: int, value_bytes: int) -> gl.BlockedLayout:
-    """Register layout of a tile's value code words [block_n, value_bytes / 4] (one code plane's rows): up to 16
-    bytes per thread, every word held by one thread."""
-    words = value_bytes // 4
-    per_thread = min(4, block_n * words // 128)
-    return gl.BlockedLayout([1, per_thread], [32 // (words // per_thread), words // per_thread], [4, 1], [1, 0])
 
 
 def operand_order(key_bytes: int) -> torch.Tensor:

@@ -513,20 +513,31 @@ def programs_per_sm(fmt: str, head_dim: int, device: torch.device, cfg: TQGluonC
     return resident_programs(regs, smem_bytes(head_dim, cfg), 4, device)
 
 
+def refusal(fmt: str, head_dim: int, group: int, page: int = PAGE) -> str:
+    """Why this kernel does not take layers of this shape ("" when it does): the rules for a layer plan
+    (`LayerPlan.kernel_path`) and for a call (`supported`)."""
+    if fmt not in FORMATS:
+        return f"it decodes {' and '.join(FORMATS)} only"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim}: it takes {' or '.join(map(str, HEAD_DIMS))}"
+    if group > MAX_GROUP:
+        return f"GQA groups above {MAX_GROUP} query heads per KV head"
+    if page != PAGE:
+        return f"it reads {PAGE}-token pages, not {page}"
+    return ""
+
+
 def supported(query: torch.Tensor, cache: torch.Tensor, fmt: str) -> tuple[bool, str]:
     """Whether this kernel decodes these tensors, and if not, why (the device is
     `decode_attention.gluon_runs_on`'s to check)."""
-    if fmt not in FORMATS:
-        return False, f"it decodes {' and '.join(FORMATS)} only"
     d = query.shape[2]
-    if d not in HEAD_DIMS:
-        return False, f"head_dim {d}: it takes {' or '.join(map(str, HEAD_DIMS))}"
-    if cache.dim() != 3 or cache.shape[2] != PAGE * tq_layout(fmt, d).slot_bytes or not cache.is_contiguous():
-        return False, (f"it reads planar caches of {PAGE}-token pages (turboquant.allocate_tq_planar_cache), "
-                       f"not {tuple(cache.shape)}")
-    if query.shape[1] // cache.shape[1] > MAX_GROUP:
-        return False, f"GQA groups above {MAX_GROUP} query heads per KV head"
-    return True, ""
+    planar = cache.dim() == 3  # [blocks, kv_heads, page bytes]; a slot cache is refused below
+    why = refusal(fmt, d, query.shape[1] // cache.shape[1] if planar else 1)
+    if not why and (not planar or cache.shape[2] != PAGE * tq_layout(fmt, d).slot_bytes
+                    or not cache.is_contiguous()):
+        why = (f"it reads planar caches of {PAGE}-token pages (turboquant.allocate_tq_planar_cache), "
+               f"not {tuple(cache.shape)}")
+    return not why, why
 
 
 def query_order(fmt: str, head_dim: int) -> torch.Tensor:

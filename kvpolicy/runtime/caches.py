@@ -86,8 +86,7 @@ class LayerPlan:
                 # Hopper: TurboQuant layers read a planar cache with the Gluon kernel (what it takes is its own to say)
                 from kvpolicy.kernels import tq_gluon as tg
 
-                if (self.fmt.name in tg.FORMATS and self.head_dim in tg.HEAD_DIMS
-                        and self.num_q_heads // self.num_kv_heads <= tg.MAX_GROUP and BLOCK_SIZE == tg.PAGE):
+                if not tg.refusal(self.fmt.name, self.head_dim, self.num_q_heads // self.num_kv_heads, BLOCK_SIZE):
                     return "gluon"
             return "triton"
         if self.head_dim not in KERNEL_HEAD_DIMS:

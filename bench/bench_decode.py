@@ -376,6 +376,20 @@ def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
             _cfg(False, n, 4, 3, pps=2.0, defer=True)]
 
 
+def output_path(out: str | None, name: str) -> str | None:
+    """Where a bench script writes its JSON: --out, else $OUT/name when $OUT is set (the device machine's
+    output folder), else nowhere."""
+    return out or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
+
+
+def write_probe(out: str | None, name: str, results: list[dict]) -> None:
+    """A probe's results with the GPU's name, at `output_path(out, name)`."""
+    path = output_path(out, name)
+    if path:
+        with open(path, "w") as fh:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
+
+
 def tune(device, log: dict, formats: list[str]) -> None:
     """Per row (of bf16/fp8/fp8_q8 in `formats`) and geometry: pick the tile config, then the split target,
     at 32k (batch 8 and 1)."""
@@ -824,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     args.geometries = [g for g in args.geometries.split(",") if g]
     args.contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else ([1024, 4096, 16384] if args.quick else CONTEXTS)
     args.batch = [int(b) for b in args.batch.split(",")] if args.batch else ([8] if args.quick else BATCHES)
-    out_path = args.out or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else None)
+    out_path = output_path(args.out, "bench_decode.json")
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import FORMATS, GEOMETRIES, build_case, kv_bytes, time_calls
+from bench_decode import (
+    FORMATS,
+    GEOMETRIES,
+    build_case,
+    kv_bytes,
+    time_calls,
+    write_probe,
+)
 from kvpolicy.kernels import decode_gluon as dg
 from kvpolicy.kernels.decode_attention import _check_inputs, split_count
 from kvpolicy.kernels.paged_store import check_scale
@@ -83,10 +89,7 @@ def main() -> None:
                                       f"{us:.1f} us ({nbytes / us / 1e6:.2f} TB/s)", flush=True)
                 del case
                 torch.cuda.empty_cache()
-    out = args.out or (os.path.join(os.environ["OUT"], "probe_gluon.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
+    write_probe(args.out, "probe_gluon.json", results)
 
 
 if __name__ == "__main__":

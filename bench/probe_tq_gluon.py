@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -17,7 +16,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import FORMATS, GEOMETRIES, build_case, kv_bytes, rel_err, sdpa_call, time_calls
+from bench_decode import FORMATS, GEOMETRIES, build_case, kv_bytes, rel_err, sdpa_call, time_calls, write_probe
 from kvpolicy.kernels import tq_gluon as tg
 from kvpolicy.kernels.decode_attention import split_count
 from kvpolicy.kernels.tq_decode import decode_attention_tq
@@ -88,10 +87,7 @@ def main() -> None:
                     del cache
                 del case
                 torch.cuda.empty_cache()
-    out = args.out or (os.path.join(os.environ["OUT"], "probe_tq_gluon.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
+    write_probe(args.out, "probe_tq_gluon.json", results)
 
 
 if __name__ == "__main__":

@@ -290,11 +290,17 @@ def kv_bytes(row: dict, geom: Geometry, batch: int, context: int) -> int:
     return batch * context * geom.num_kv_heads * slot + extra
 
 
-def build_case(geom: Geometry, batch: int, context: int, rows: dict[str, dict], sdpa: bool, copies: int, device) -> dict:
-    """Caches for each row (and contiguous K/V for SDPA) holding `copies` independent random KV sets."""
+def build_case(geom: Geometry, batch: int, context: int, rows: dict[str, dict], sdpa: bool, copies: int, device,
+               pages: str = "random") -> dict:
+    """Caches for each row (and contiguous K/V for SDPA) holding `copies` independent random KV sets. `pages`:
+    "random" (block tables a random permutation of the cache's pages, as after long serving) or
+    "sequential" (each sequence's pages in address order)."""
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = copies * batch * blocks_per_seq
-    perm = torch.randperm(num_blocks, device=device, dtype=torch.int64)
+    if pages not in ("random", "sequential"):
+        raise ValueError(f"pages: random or sequential, not {pages!r}")
+    perm = (torch.randperm(num_blocks, device=device, dtype=torch.int64) if pages == "random"
+            else torch.arange(num_blocks, device=device, dtype=torch.int64))
     tables = perm.view(copies, batch, blocks_per_seq).to(torch.int32)
     caches = {name: row["allocate"](num_blocks, BLOCK_SIZE, geom.num_kv_heads, geom.head_dim, device) for name, row in rows.items()}
     sd_k = sd_v = None

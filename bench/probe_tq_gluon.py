@@ -3,7 +3,8 @@ TurboQuant kernel and cuDNN BF16 SDPA, on the issue-5 geometries, all measured i
 caches; each config's output is checked against the Triton kernel's. GPU only (sm_90).
 
 Usage: python bench/probe_tq_gluon.py [--formats turboquant_4bit_nc,turboquant_k8v4] [--contexts 32768,131072]
-       [--batch 1,8] [--block-n 64,128] [--maxnreg 0,128] [--split-scale 1,2] [--lazy 1,0] [--out JSON]
+       [--batch 1,8] [--block-n 64,128] [--maxnreg 0,128] [--split-scale 1,2] [--lazy 1,0]
+       [--pages random,sequential] [--out JSON]
 """
 from __future__ import annotations
 
@@ -33,18 +34,19 @@ def main() -> None:
     p.add_argument("--block-n", default="64,128")
     p.add_argument("--split-scale", default="1,2")
     p.add_argument("--lazy", default="1", help="lazy softmax max (TQGluonConfig.lazy_max) to try: 1, 0 or 1,0")
+    p.add_argument("--pages", default="random", help="block tables: random, sequential or both (bench_decode.build_case)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
     fmts = args.formats.split(",")
     rows = {n: FORMATS[n] for n in fmts}
     results = []
-    for gname in args.geometries.split(","):
+    for gname, pages in itertools.product(args.geometries.split(","), args.pages.split(",")):
         geom = GEOMETRIES[gname]
         for batch in map(int, args.batch.split(",")):
             for ctx in map(int, args.contexts.split(",")):
                 torch.manual_seed(0)
-                case = build_case(geom, batch, ctx, rows, sdpa=True, copies=2, device=dev)
+                case = build_case(geom, batch, ctx, rows, sdpa=True, copies=2, device=dev, pages=pages)
                 tables, q, sl = case["tables"], case["query"], case["seq_lens"]
                 base = {"sdpa_cudnn": time_calls([sdpa_call(case, geom, c, SDPBackend.CUDNN_ATTENTION, "folded")
                                                   for c in range(2)])}
@@ -53,7 +55,7 @@ def main() -> None:
                     calls = [lambda c=c, f=fmt, cache=cache: FORMATS[f]["decode"](cache, q, tables[c], sl, case["sinks"])
                              for c in range(2)]
                     base[fmt] = time_calls(calls)
-                print(f"{gname} b{batch} {ctx}: " + ", ".join(f"{k} {v:.1f}us" for k, v in base.items()), flush=True)
+                print(f"{gname} {pages} pages b{batch} {ctx}: " + ", ".join(f"{k} {v:.1f}us" for k, v in base.items()), flush=True)
                 for fmt in fmts:
                     nbytes = kv_bytes(FORMATS[fmt], geom, batch, ctx)
                     want = FORMATS[fmt]["decode"](case["caches"][fmt], q, tables[0], sl, case["sinks"]).float()
@@ -77,7 +79,7 @@ def main() -> None:
                             except Exception as exc:  # noqa: BLE001 - a config that fails is reported, not fatal
                                 print(f"  {fmt} {cfg} splits={splits}: {type(exc).__name__} {str(exc)[:300]}")
                                 continue
-                            results.append({"geometry": gname, "batch": batch, "context": ctx, "format": fmt,
+                            results.append({"geometry": gname, "pages": pages, "batch": batch, "context": ctx, "format": fmt,
                                             "maxnreg": maxnreg, "block_n": block_n, "lazy_max": bool(lazy), "resident": res,
                                             "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
                                             "baselines": base})

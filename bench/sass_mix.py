@@ -148,6 +148,34 @@ def loop_mix(text: str) -> collections.Counter:
     return ops
 
 
+def common_path(text: str) -> tuple[int, int]:
+    """(instructions, tiles) on the Gluon TurboQuant kernel's common path through its loop: the shortest path
+    from the loop head to the backward branch, which takes the non-edge copy of `_attend` and the lazy max's
+    skip of the exact-max redo; per thread. Tiles: the loop iteration's tiles (two wgmma per tile)."""
+    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    at = {int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16): ln for ln in lines}
+
+    def target(ln: str) -> int | None:
+        m = re.search(r"BRA\s+(?:!?U?P\d, )?0x([0-9a-f]+)", ln)
+        return int(m.group(1), 16) if m else None
+
+    back = [(a, t) for a, ln in at.items() if (t := target(ln)) is not None and t < a]
+    end, head = max(back, key=lambda b: b[0] - b[1])
+    best: dict[int, tuple[int, int | None]] = {end: (1, None)}  # address -> (count to the end, next address)
+    for pc in sorted((a for a in at if head <= a < end), reverse=True):
+        t, ln = target(at[pc]), at[pc]
+        conditional = bool(re.search(r"\*/\s+@", ln) or re.search(r"BRA\s+!?U?P\d,", ln))
+        nxt = [pc + 16] if t is None or t <= pc or conditional else []
+        nxt += [t] if t is not None and t > pc else []
+        n = min((n for n in nxt if n in best), key=lambda n: best[n][0])
+        best[pc] = (1 + best[n][0], n)
+    arrives, pc = 0, head
+    while pc is not None:
+        arrives += "WARPGROUP.ARRIVE" in at[pc]
+        pc = best[pc][1]
+    return best[head][0], max(1, arrives // 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fp8", action="store_true")
@@ -194,6 +222,10 @@ def main() -> None:
     fam = collections.Counter()
     for op, n in ops.items():
         fam[op.split(".")[0]] += n
+    if a.tq_gluon:
+        n, tiles = common_path(text)
+        print(f"common path: {n / tiles:.1f} instructions per thread per tile, "
+              f"{n * a.num_warps / (tiles * a.block_n):.1f} warp-instructions per (token, KV head)")
     print("  " + "  ".join(f"{op} {n}" for op, n in fam.most_common(18)))
     print("  " + "  ".join(f"{op} {n}" for op, n in ops.most_common() if op.startswith(("LDS", "LDSM", "STS", "LDG", "F2FP", "F2F", "HMMA", "HGMMA", "QGMMA"))))
 

@@ -44,10 +44,10 @@ from kvpolicy.kernels.turboquant import (
     field_planes,
     int8_centroids,
     int8_operand_order,
+    int8_table_word,
     k3_int8_program,
     k4_int8_program,
     render_ptx,
-    render_ptx_halves,
     tq_layout,
     v3_subnormal_program,
     v4_subnormal_program,
@@ -74,10 +74,9 @@ FORMATS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turbo
 _K4_I8_ASM = gl.constexpr(render_ptx(k4_int8_program()))
 _K3_I8_ASM = gl.constexpr(render_ptx(k3_int8_program()))
 # values as exact fp16 subnormals (code x 2^-24, bytes in the order 0, 2, 1, 3): low nibbles, then 16 x high
-_V4_ASM = gl.constexpr(render_ptx_halves(v4_subnormal_program(), 4))
-_V3_ASM = gl.constexpr(render_ptx_halves(v3_subnormal_program(), 8))  # quarter s as 4^s x code x 2^-24
+_V4_ASM = gl.constexpr(render_ptx(v4_subnormal_program()))
+_V3_ASM = gl.constexpr(render_ptx(v3_subnormal_program()))  # quarter s as 4^s x code x 2^-24
 _UNSUB = gl.constexpr(1.0 / SUBNORMAL_UNIT)
-_H16_RR = gl.constexpr(",".join(["=h"] * 16) + ",r,r")  # their constraints: 16 fp16 halves from two words
 _FP8_ASM = gl.constexpr("""{
 .reg .b16 a, b;
 .reg .b32 x, y;
@@ -98,6 +97,9 @@ A8_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S8_LAYOUT.v
 Q_LO = gl.constexpr(254.0)
 """The query's second byte holds the first byte's rounding residual (at most 1/2) times this."""
 Q_LO_INT = gl.constexpr(254)
+V32_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+"""The value tile's fp16 halves as 32-bit words (pairs of columns): the same bytes (rows of 128 or 256 bytes,
+128-byte swizzle either way), written by whole words."""
 ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
 LAZY_MAX_MARGIN = gl.constexpr(4.0)
 """How far (log2 units) a score may pass the reference max before the tile is redone with the exact max:
@@ -231,7 +233,7 @@ def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.cons
 
 
 @gluon.jit
-def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, qf, qc, v16_smem, p_smem, flag_smem, m_i, l_part,
+def _attend(kc, ks, vc, vh, knorm, vscale, vzero, table_lo, q_smem, qf, qc, v16_smem, p_smem, flag_smem, m_i, l_part,
             z_part, acc, tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr,
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, LAZY: gl.constexpr,
             EDGE: gl.constexpr):
@@ -248,38 +250,47 @@ def _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, qf, qc, v16_smem, p_sm
         s = warpgroup_mma(k16, q_smem.index(0).permute((1, 0)), gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT),
                           use_acc=False, is_async=True)
     else:
+        # the table's first word, one register for the whole loop (an immediate would be rematerialised before
+        # every PRMT: 16 moves per tile)
+        table = _word_bytes(gl.zeros_like(kc) + table_lo, BN, W)
         if KEY_BITS == 4:
             # byte j holds coordinate j (low nibble) and j + D/2 (high nibble)
-            o0, o1 = gl.inline_asm_elementwise(_K4_I8_ASM, "=r,=r,r", [_word_bytes(kc, BN, W)],
+            o0, o1 = gl.inline_asm_elementwise(_K4_I8_ASM, "=r,=r,r,r", [_word_bytes(kc, BN, W), table],
                                                dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
             k8 = _to_operand8(gl.join(o0, o1), BN, KBM, 2)
         else:
             # 2-bit plane byte j: quarter s holds coordinate s D/4 + j
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(_K3_I8_ASM, "=r,=r,=r,=r,r,r",
-                                                       [_word_bytes(kc, BN, W), _word_bytes(ks, BN, W)],
+            o0, o1, o2, o3 = gl.inline_asm_elementwise(_K3_I8_ASM, "=r,=r,=r,=r,r,r,r",
+                                                       [_word_bytes(kc, BN, W), _word_bytes(ks, BN, W), table],
                                                        dtype=(gl.int8,) * 4, is_pure=True, pack=4)
             k8 = _to_operand8(gl.reshape(gl.join(gl.join(o0, o2), gl.join(o1, o3)), [BN, KBM, 4]), BN, KBM, 4)
         s = warpgroup_mma(k8, q_smem.permute((1, 0)), gl.zeros([BN, 16], gl.int32, layout=S8_LAYOUT), use_acc=False,
                           is_async=True)
 
     # While it runs: value codes to exact fp16 subnormals (code x 16^k or 4^k x 2^-24: the bits stay where they
-    # are), each group of 4 head-dim positions holding bytes (0, 2, 1, 3): the epilogue undoes both.
-    # Every warp is past the previous tile's P.V (its wait), so V16 may be rewritten.
+    # are), each group of 4 head-dim positions holding bytes (0, 2, 1, 3): the epilogue undoes both. The
+    # programs' 32-bit outputs (two halves each) are stored as they are, through a 32-bit view of the tile:
+    # as fp16 halves, ptxas gathered each 16-byte store's registers with 4 moves (32 per tile).
+    # Every warp is past the previous tile's P.V (its wait), so the tile may be rewritten.
     gl.thread_barrier()
+    v32_smem = v16_smem._reinterpret(gl.int32, [BN, HEAD_DIM // 2], V32_SMEM)
     if V_BITS == 4:
-        HALF: gl.constexpr = HEAD_DIM // 2
-        l0, l1, l2, l3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
-            _V4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [vc], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        # word m of the row -> the halves of columns 4m .. 4m + 3 (low nibbles) and D/2 + 4m .. (16 x high)
+        w0, w1, w2, w3 = gl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r", [vc], dtype=(gl.int32,) * 4,
+                                                   is_pure=True, pack=1)
+        lo = gl.reshape(gl.join(w0, w1), [BN, HEAD_DIM // 4])
+        hi = gl.reshape(gl.join(w2, w3), [BN, HEAD_DIM // 4])
         # one store: two stores into slices of the tile make the compiler put a barrier between them
-        halves = gl.join(_bytes_order(l0, l1, l2, l3, BN, HALF // 4), _bytes_order(g0, g1, g2, g3, BN, HALF // 4))
-        v16_smem.store(gl.reshape(gl.permute(halves, (0, 2, 1)), [BN, HEAD_DIM]))
+        v32_smem.store(gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BN, HEAD_DIM // 2]))
     else:
         Q: gl.constexpr = HEAD_DIM // 4
-        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = gl.inline_asm_elementwise(
-            _V3_ASM, _H16_RR, [vc, vh], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-        v16_smem.store(_parts_order(_bytes_order(a0, a1, a2, a3, BN, Q // 4), _bytes_order(b0, b1, b2, b3, BN, Q // 4),
-                                    _bytes_order(c0, c1, c2, c3, BN, Q // 4), _bytes_order(d0, d1, d2, d3, BN, Q // 4),
-                                    BN, Q))
+        w = gl.inline_asm_elementwise(_V3_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [vc, vh], dtype=(gl.int32,) * 8,
+                                      is_pure=True, pack=1)
+        # quarter s: outputs 2s (bytes 0, 2) and 2s + 1 (bytes 1, 3) of each input word, columns in that order
+        v32_smem.store(_parts_order(gl.reshape(gl.join(w[0], w[1]), [BN, Q // 2]),
+                                    gl.reshape(gl.join(w[2], w[3]), [BN, Q // 2]),
+                                    gl.reshape(gl.join(w[4], w[5]), [BN, Q // 2]),
+                                    gl.reshape(gl.join(w[6], w[7]), [BN, Q // 2]), BN, Q // 2))
 
     if KEY_BITS == 8:
         s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k16, q_smem))
@@ -411,6 +422,9 @@ def _tq_gluon_kernel(
 
     # Software pipeline: the bytes of tile i+1 load while tile i is computed.
     bt_row = block_tables_ptr + seq * stride_bt
+    table_lo = 0
+    if KEY_BITS != 8:
+        table_lo = gl.load(order_ptr + HEAD_DIM)  # loaded, so that it stays in a register (see `_attend`)
     kc, ks, vc, vh, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, bt_row, tile_lo, seq_len, kvh, BN,
                                                       SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF,
                                                       K_LAYOUT, V_LAYOUT)
@@ -420,13 +434,13 @@ def _tq_gluon_kernel(
             KBM, KB, VBM, VB, NF, K_LAYOUT, V_LAYOUT)
         tile_start = tile * BN
         if (tile_start < start) | (tile_start + BN > seq_len):
-            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, qf, qc, v16_smem,
-                                               p_smem, flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
-                                               HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, True)
+            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, table_lo, q_smem, qf, qc,
+                                               v16_smem, p_smem, flag_smem, m_i, l_part, z_part, acc, tile_start,
+                                               seq_len, start, HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, True)
         else:
-            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, q_smem, qf, qc, v16_smem,
-                                               p_smem, flag_smem, m_i, l_part, z_part, acc, tile_start, seq_len, start,
-                                               HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, False)
+            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, table_lo, q_smem, qf, qc,
+                                               v16_smem, p_smem, flag_smem, m_i, l_part, z_part, acc, tile_start,
+                                               seq_len, start, HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, False)
         kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     l_i = gl.sum(l_part, 0)
@@ -482,20 +496,20 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     FP8 keys at head_dim 128 (Llama layer, batch 8, 128k: k8v4 498 us against 568 for 64), else 64, which
     leaves 4-5 programs per SM (4bit_nc 514 against 570; 3bit_nc 545 against 605; gpt-oss 4bit_nc 350
     against 399). 64-token tiles at head_dim 128 are capped at 128 registers, which keeps 4 programs per SM
-    (3bit_nc compiles to 136 without the cap, to 127 with it and no spills; the others stay under it)."""
+    (without the cap they compile to 125-128, and did to 136 before; no spills under it)."""
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)
 
 
 REGISTERS = {
-    "turboquant_k8v4": {(128, 128): 242, (128, 64): 137, (64, 64): 93, (64, 128): 155},
-    "turboquant_4bit_nc": {(128, 128): 224, (128, 64): 114, (64, 64): 87, (64, 128): 159},
-    "turboquant_k3v4_nc": {(128, 128): 232, (128, 64): 119, (64, 64): 90, (64, 128): 154},
-    "turboquant_3bit_nc": {(128, 128): 242, (128, 64): 136, (64, 64): 99, (64, 128): 157},
+    "turboquant_k8v4": {(128, 128): 235, (128, 64): 152, (64, 64): 95, (64, 128): 161},
+    "turboquant_4bit_nc": {(128, 128): 216, (128, 64): 125, (64, 64): 89, (64, 128): 162},
+    "turboquant_k3v4_nc": {(128, 128): 224, (128, 64): 128, (64, 64): 101, (64, 128): 160},
+    "turboquant_3bit_nc": {(128, 128): 247, (128, 64): 127, (64, 64): 95, (64, 128): 158},
 }
-"""Registers per thread of the sm_90 compile (Triton 3.6, no cap, lazy max) by format and (head_dim, block_n);
-`TQGluonConfig.maxnreg` overrides them."""
+"""Registers per thread of the sm_90 compile (Triton 3.6, no cap, lazy max; `bench/sass_mix.py --tq-gluon FORMAT
+--head-dim D --block-n N`) by format and (head_dim, block_n); `TQGluonConfig.maxnreg` overrides them."""
 
 
 def smem_bytes(head_dim: int, cfg: TQGluonConfig) -> int:
@@ -549,8 +563,12 @@ def query_order(fmt: str, head_dim: int) -> torch.Tensor:
 
 
 @functools.cache
-def _query_order_on(fmt: str, head_dim: int, device: str) -> torch.Tensor:
-    return query_order(fmt, head_dim).to(torch.int32).to(device)
+def _kernel_table(fmt: str, head_dim: int, device: str) -> torch.Tensor:
+    """int32 [head_dim + 1]: `query_order`, then the first word of the centroid keys' PRMT table
+    (`turboquant.int8_table_word`; 0 for FP8 keys), which the kernel loads."""
+    lay = tq_layout(fmt, head_dim)
+    word = 0 if lay.key_fp8 else int8_table_word(lay.key_bits)
+    return torch.cat([query_order(fmt, head_dim), torch.tensor([word])]).to(torch.int32).to(device)
 
 
 def kernel_constexprs(fmt: str, head_dim: int, num_q_heads: int, num_kv_heads: int,
@@ -585,7 +603,7 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
     cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, cfg)
     part_out, part_lse = split_partials(out, splits)
     _tq_gluon_kernel[(num_kv_heads, splits, batch)](
-        q16, _query_order_on(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
+        q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and splits == 1,

@@ -285,9 +285,10 @@ def _hsub2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def emulate_ptx(prog: list, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run a register program (see `turboquant.render_ptx`) on int64 tensors holding 32-bit words."""
-    regs = {k: v.to(torch.int64) & 0xFFFFFFFF for k, v in inputs.items()}
-    like = next(iter(regs.values()))
+    """Run a register program (see `turboquant.render_ptx`) on int64 tensors holding 32-bit words (an int
+    input: the same word in every lane)."""
+    regs = {k: torch.as_tensor(v, dtype=torch.int64) & 0xFFFFFFFF for k, v in inputs.items()}
+    like = max(regs.values(), key=lambda t: t.numel())
 
     def val(x):
         return regs[x] if isinstance(x, str) else torch.full_like(like, x & 0xFFFFFFFF)

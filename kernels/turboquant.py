@@ -587,6 +587,13 @@ def _int8_table(bits: int) -> tuple[int, int]:
             table[4] | table[5] << 8 | table[6] << 16 | table[7] << 24)
 
 
+def int8_table_word(bits: int) -> int:
+    """The first word of `_int8_table` (table bytes 0-3, all below 128: a non-negative int32), which the int8
+    programs take as an input register ($3 of `k4_int8_program`, $6 of `k3_int8_program`) rather than as
+    an immediate: ptxas would otherwise rematerialise it before every PRMT."""
+    return _int8_table(bits)[0]
+
+
 XOR = 0x3C
 """lop3 table of a ^ b."""
 OR_MASKED = 0xEA
@@ -594,20 +601,21 @@ OR_MASKED = 0xEA
 
 
 def k4_int8_program() -> list[PtxOp]:
-    """4-bit sign-magnitude keys to signed bytes, 10 ops per word of 8 codes: in $2 = 4 code bytes; out $0 =
-    the bytes of nibbles 0-3 (byte 0 low, byte 0 high, byte 1 low, byte 1 high), $1 = of nibbles 4-7. The
+    """4-bit sign-magnitude keys to signed bytes, 10 ops per word of 8 codes: in $2 = 4 code bytes, $3 =
+    `int8_table_word(4)`; out $0 = the bytes of nibbles 0-3 (byte 0 low, byte 0 high, byte 1 low, byte 1
+    high), $1 = of nibbles 4-7. The
     magnitude is one PRMT (its selector nibbles are the codes with the sign masked); the sign is a byte mask
     from PRMT's sign-replicate mode on the code bytes (bit 7 of w << 4 is nibble 0's sign bit) and one XOR."""
-    ta, tb = _int8_table(4)
+    _, tb = _int8_table(4)
     return [
         ("shl", "t", "$2", 4),
         ("and", "s", "$2", 0x7777),
-        ("prmt", "$0", ta, tb, "s"),
+        ("prmt", "$0", "$3", tb, "s"),
         ("prmt", "m", "t", "$2", 0xD9C8),  # sign of nibble i -> 0xFF in byte i
         ("lop3", "$0", "$0", "m", 0, XOR),
         ("shr", "s", "$2", 16),
         ("and", "s", "s", 0x7777),
-        ("prmt", "$1", ta, tb, "s"),
+        ("prmt", "$1", "$3", tb, "s"),
         ("prmt", "m", "t", "$2", 0xFBEA),
         ("lop3", "$1", "$1", "m", 0, XOR),
     ]
@@ -615,10 +623,11 @@ def k4_int8_program() -> list[PtxOp]:
 
 def k3_int8_program() -> list[PtxOp]:
     """3-bit sign-magnitude keys to signed bytes, 13 ops per 16 codes: in $4 = 2-bit plane bytes (quarter s
-    at bits 2s, 2s+1), $5 = their sign bytes (quarter s at bit 2s, as for `k3_program`). Out $0 / $1: quarters 0 and 2 of bytes 0-1 / 2-3 (byte 0 q0,
-    byte 0 q2, byte 1 q0, byte 1 q2), $2 / $3: quarters 1 and 3. Each selector nibble is a whole 3-bit code
+    at bits 2s, 2s+1), $5 = their sign bytes (quarter s at bit 2s, as for `k3_program`), $6 =
+    `int8_table_word(3)`. Out $0 / $1: quarters 0 and 2 of bytes 0-1 / 2-3 (byte 0 q0, byte 0 q2, byte 1
+    q0, byte 1 q2), $2 / $3: quarters 1 and 3. Each selector nibble is a whole 3-bit code
     (the sign moved to bit 2), read from the 8-byte signed table by one PRMT."""
-    ta, tb = _int8_table(3)
+    _, tb = _int8_table(3)
     return [
         ("shl", "t", "$5", 2),
         ("and", "t", "t", 0x44444444),
@@ -626,12 +635,12 @@ def k3_int8_program() -> list[PtxOp]:
         ("shr", "y", "$4", 2),
         ("and", "t", "$5", 0x44444444),
         ("lop3", "y", "y", 0x33333333, "t", OR_MASKED),  # quarters 1, 3
-        ("prmt", "$0", ta, tb, "x"),
+        ("prmt", "$0", "$6", tb, "x"),
         ("shr", "x", "x", 16),
-        ("prmt", "$1", ta, tb, "x"),
-        ("prmt", "$2", ta, tb, "y"),
+        ("prmt", "$1", "$6", tb, "x"),
+        ("prmt", "$2", "$6", tb, "y"),
         ("shr", "y", "y", 16),
-        ("prmt", "$3", ta, tb, "y"),
+        ("prmt", "$3", "$6", tb, "y"),
     ]
 
 
@@ -675,21 +684,3 @@ def render_ptx(prog: list[PtxOp]) -> str:
         lines.append(f"{_PTX_NAMES[op[0]]} {', '.join(args)};")
     lines.append("}")
     return "\n".join(lines)
-
-
-def render_ptx_halves(prog: list[PtxOp], num_outputs: int) -> str:
-    """PTX text of a register program whose 32-bit outputs $0..$(n-1) are returned as 2n 16-bit halves
-    (output k -> $2k low half, $2k+1 high half; inputs renumbered after them), for
-    `inline_asm_elementwise(pack=1)` on 32-bit words with fp16 outputs ("=h"): each word's results
-    come back as separate fp16 tensors, with no byte shuffling of the operands around the program."""
-
-    def rename(arg):
-        if isinstance(arg, str) and arg.startswith("$"):
-            k = int(arg[1:])
-            return f"o{k}" if k < num_outputs else f"${k + num_outputs}"
-        return arg
-
-    body = [(op[0], *map(rename, op[1:])) for op in prog]
-    text = render_ptx(body)
-    halves = "\n".join(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, o{k};" for k in range(num_outputs))
-    return text[: text.rindex("}")] + halves + "\n}"

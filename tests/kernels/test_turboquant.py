@@ -6,7 +6,6 @@ Pure torch (no kernels): fast on any machine.
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from kvpolicy.kernels.turboquant import (
     int8_centroid_codebook,
     int8_centroids,
     int8_operand_order,
+    int8_table_word,
     k3_int8_program,
     k3_program,
     k4_int8_program,
@@ -41,7 +41,6 @@ from kvpolicy.kernels.turboquant import (
     lloyd_max_codebook,
     planar_from_slots,
     render_ptx,
-    render_ptx_halves,
     rotation_t_signs,
     sign_magnitude_codebook,
     sign_magnitude_codes,
@@ -274,18 +273,6 @@ def test_v3_subnormal_program_gives_codes_times_2_to_the_minus_24() -> None:
         assert torch.equal(got, 4.0**s * code.double() * SUBNORMAL_UNIT), f"quarter {s}"
 
 
-def test_render_ptx_halves_returns_each_output_as_two_halves() -> None:
-    """The halves form of a program computes the same 32-bit words and hands out each as ($2k, $2k+1),
-    with the inputs renumbered after the 2n halves."""
-    text = render_ptx_halves(k4_program(), 4)
-    body = text.split("mov.b32 {")[0]
-    assert not re.search(r"\$[0-7]\b", body), "the program body writes temporaries and reads the input, $8"
-    assert "and.b32 s0, $8, 0x7777;" in body
-    for k in range(4):
-        assert f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, o{k};" in text
-    assert text.count("{") == text.count("}")
-
-
 def test_v3_program_gives_codes() -> None:
     p2 = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
     high = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
@@ -381,7 +368,7 @@ def test_k4_int8_program_gives_signed_centroid_bytes() -> None:
     """Output 0 holds nibbles 0-3 of the word (byte 0 low, byte 0 high, byte 1 low, byte 1 high), output 1
     nibbles 4-7; each byte is the int8 value of that sign-magnitude code."""
     x = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
-    regs = emulate_ptx(k4_int8_program(), {"$2": x})
+    regs = emulate_ptx(k4_int8_program(), {"$2": x, "$3": int8_table_word(4)})
     nib = torch.stack([(x >> (4 * n)) & 15 for n in range(8)], dim=-1)
     got = torch.cat([_int8_value(_int8_lanes(regs["$0"]), 4), _int8_value(_int8_lanes(regs["$1"]), 4)], dim=-1)
     assert torch.equal(got, int8_centroid_codebook(4)[nib])
@@ -392,7 +379,7 @@ def test_k3_int8_program_gives_signed_centroid_bytes() -> None:
     and 3. The sign of quarter s of byte j is bit 2s of sign byte j; the odd bits do not matter."""
     p2 = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
     signs = torch.randint(0, 2**32, (N_WORDS,), dtype=torch.int64)
-    regs = emulate_ptx(k3_int8_program(), {"$4": p2, "$5": signs})
+    regs = emulate_ptx(k3_int8_program(), {"$4": p2, "$5": signs, "$6": int8_table_word(3)})
     b2, bs = _bytes(p2), _bytes(signs)
     cb = int8_centroid_codebook(3)
     for out, (quarters, first) in enumerate([((0, 2), 0), ((0, 2), 2), ((1, 3), 0), ((1, 3), 2)]):
@@ -422,12 +409,13 @@ def test_int8_operand_order_is_the_relabelled_unpack(fmt: str, d: int) -> None:
     for c in range(4):
         p2 = words(packed[c * w:(c + 1) * w])
         if bits == 4:
-            regs = emulate_ptx(k4_int8_program(), {"$2": p2})
+            regs = emulate_ptx(k4_int8_program(), {"$2": p2, "$3": int8_table_word(4)})
         else:
             e = d // 8
             j = torch.arange(c * w, (c + 1) * w)
             # the kernel's sign words (`tq_gluon._plane_words`): byte j mod D/8 of the 1-bit plane >> j // (D/8)
-            regs = emulate_ptx(k3_int8_program(), {"$4": p2, "$5": words(packed[plane + j % e] >> (j // e))})
+            regs = emulate_ptx(k3_int8_program(), {"$4": p2, "$5": words(packed[plane + j % e] >> (j // e)),
+                                                     "$6": int8_table_word(3)})
         for m in range(w // 4):
             for g in range(g_n):
                 lanes = _int8_lanes(regs[f"${g}"][m])

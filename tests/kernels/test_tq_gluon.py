@@ -100,6 +100,26 @@ def test_gluon_routing_says_why(device: str) -> None:
         _run("turboquant_4bit_nc", device, kernel="cuda", **kw)
 
 
+@pytest.mark.parametrize("fmt", GLUON_FORMATS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_kernel_table_holds_the_query_order_then_the_prmt_table_word(fmt: str, d: int) -> None:
+    """What the kernel loads from its order pointer: the query's coordinate at each K index of the score MMA,
+    then (centroid keys) the PRMT table's first word that the int8 programs take as a register. A wrong word
+    would decode every key to wrong centroids, which only the GPU tests would otherwise see."""
+    from kvpolicy.kernels import tq_gluon
+    from kvpolicy.kernels.turboquant import int8_centroids, int8_table_word, tq_layout
+
+    table = tq_gluon._kernel_table(fmt, d, "cpu")
+    assert table.dtype == torch.int32 and table.shape == (d + 1,)
+    assert torch.equal(table[:d].long(), tq_gluon.query_order(fmt, d))
+    lay = tq_layout(fmt, d)
+    if lay.key_fp8:
+        assert table[d] == 0
+    else:
+        b = int8_centroids(lay.key_bits)[0]
+        assert int(table[d]) == int8_table_word(lay.key_bits) == b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+
+
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("context", [4096, 16384, 65536, 131072])

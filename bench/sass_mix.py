@@ -46,9 +46,10 @@ def compile_decode(fp8: bool, fp8_query: bool, head_dim: int, block_n: int, num_
     return _compile(fn, constexprs, pointers, FLOATS, aligned, num_warps, num_stages, maxnreg)
 
 
-def _compile(fn, constexprs: dict, pointers: dict, floats: set, aligned: set, num_warps: int, num_stages: int,
-             maxnreg: int | None):
-    """triton.compile for sm_90: pointers and the `aligned` ints marked 16-divisible, other ints i32."""
+def _compile(fn, constexprs: dict, pointers: dict, floats: set, aligned: set, num_warps: int, num_stages: int | None,
+             maxnreg: int | None, source=ASTSource):
+    """triton.compile for sm_90: pointers and the `aligned` ints marked 16-divisible, other ints i32.
+    `source`: the front end (ASTSource, or Gluon's GluonASTSource); num_stages None: its default."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -57,9 +58,9 @@ def _compile(fn, constexprs: dict, pointers: dict, floats: set, aligned: set, nu
             sig[name] = pointers.get(name) or ("fp32" if name in floats else "i32")
             if name in pointers or name in aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {})))
+    options = dict(num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}),
+                   **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(source(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages: int, group: int,
@@ -93,17 +94,7 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
     pointers = {"q_ptr": "*fp16", "order_ptr": "*i32", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    fn = tg._tq_gluon_kernel
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = pointers.get(name) or ("fp32" if name == "q_scale" else "i32")
-            if name in pointers:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {})))
+    return _compile(tg._tq_gluon_kernel, constexprs, pointers, {"q_scale"}, set(), 4, None, maxnreg, GluonASTSource)
 
 
 def sass(kernel) -> str:
@@ -126,23 +117,36 @@ def resources(kernel) -> str:
     return f"registers {m.group(1)}, stack {m.group(2)} B" if m else out.strip()
 
 
+def _listing(text: str) -> dict[int, str]:
+    """cuobjdump's instruction lines by address."""
+    out = {}
+    for ln in text.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/", ln)
+        if m:
+            out[int(m.group(1), 16)] = ln
+    return out
+
+
+def _target(ln: str) -> int | None:
+    """A branch's target (cuobjdump prints absolute addresses; `BRA P5, 0x...` has a second predicate)."""
+    m = re.search(r"BRA\s+(?:!?U?P\d, )?0x([0-9a-f]+)", ln)
+    return int(m.group(1), 16) if m else None
+
+
+def _main_loop(at: dict[int, str]) -> tuple[int, int]:
+    """(head, backward branch) of the longest loop."""
+    back = [(a, t) for a, ln in at.items() if (t := _target(ln)) is not None and t < a]
+    end, head = max(back, key=lambda b: b[0] - b[1])
+    return head, end
+
+
 def loop_mix(text: str) -> collections.Counter:
     """Opcode counts of the largest backward-branch loop body."""
-    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
-    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
-    best = (0, 0)
-    for i, ln in enumerate(lines):
-        m = re.search(r"BRA\s+0x([0-9a-f]+)", ln)  # cuobjdump prints absolute targets
-        if m:
-            target = int(m.group(1), 16)
-            if target < addr[i]:
-                j = addr.index(target) if target in addr else 0
-                if i - j > best[1] - best[0]:
-                    best = (j, i)
-    body = lines[best[0]:best[1] + 1]
+    at = _listing(text)
+    head, end = _main_loop(at)
     ops = collections.Counter()
-    for ln in body:
-        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", ln)
+    for a in sorted(at):
+        m = head <= a <= end and re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", at[a])
         if m:
             ops[m.group(1)] += 1
     return ops
@@ -152,18 +156,11 @@ def common_path(text: str) -> tuple[int, int]:
     """(instructions, tiles) on the Gluon TurboQuant kernel's common path through its loop: the shortest path
     from the loop head to the backward branch, which takes the non-edge copy of `_attend` and the lazy max's
     skip of the exact-max redo; per thread. Tiles: the loop iteration's tiles (two wgmma per tile)."""
-    lines = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
-    at = {int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16): ln for ln in lines}
-
-    def target(ln: str) -> int | None:
-        m = re.search(r"BRA\s+(?:!?U?P\d, )?0x([0-9a-f]+)", ln)
-        return int(m.group(1), 16) if m else None
-
-    back = [(a, t) for a, ln in at.items() if (t := target(ln)) is not None and t < a]
-    end, head = max(back, key=lambda b: b[0] - b[1])
+    at = _listing(text)
+    head, end = _main_loop(at)
     best: dict[int, tuple[int, int | None]] = {end: (1, None)}  # address -> (count to the end, next address)
     for pc in sorted((a for a in at if head <= a < end), reverse=True):
-        t, ln = target(at[pc]), at[pc]
+        t, ln = _target(at[pc]), at[pc]
         conditional = bool(re.search(r"\*/\s+@", ln) or re.search(r"BRA\s+!?U?P\d,", ln))
         nxt = [pc + 16] if t is None or t <= pc or conditional else []
         nxt += [t] if t is not None and t > pc else []

@@ -603,9 +603,9 @@ OR_MASKED = 0xEA
 def k4_int8_program() -> list[PtxOp]:
     """4-bit sign-magnitude keys to signed bytes, 10 ops per word of 8 codes: in $2 = 4 code bytes, $3 =
     `int8_table_word(4)`; out $0 = the bytes of nibbles 0-3 (byte 0 low, byte 0 high, byte 1 low, byte 1
-    high), $1 = of nibbles 4-7. The
-    magnitude is one PRMT (its selector nibbles are the codes with the sign masked); the sign is a byte mask
-    from PRMT's sign-replicate mode on the code bytes (bit 7 of w << 4 is nibble 0's sign bit) and one XOR."""
+    high), $1 = of nibbles 4-7. The magnitude is one PRMT (its selector nibbles are the codes with the sign
+    masked); the sign is a byte mask from PRMT's sign-replicate mode on the code bytes (bit 7 of w << 4 is
+    nibble 0's sign bit) and one XOR."""
     _, tb = _int8_table(4)
     return [
         ("shl", "t", "$2", 4),
@@ -625,8 +625,8 @@ def k3_int8_program() -> list[PtxOp]:
     """3-bit sign-magnitude keys to signed bytes, 13 ops per 16 codes: in $4 = 2-bit plane bytes (quarter s
     at bits 2s, 2s+1), $5 = their sign bytes (quarter s at bit 2s, as for `k3_program`), $6 =
     `int8_table_word(3)`. Out $0 / $1: quarters 0 and 2 of bytes 0-1 / 2-3 (byte 0 q0, byte 0 q2, byte 1
-    q0, byte 1 q2), $2 / $3: quarters 1 and 3. Each selector nibble is a whole 3-bit code
-    (the sign moved to bit 2), read from the 8-byte signed table by one PRMT."""
+    q0, byte 1 q2), $2 / $3: quarters 1 and 3. Each selector nibble is a whole 3-bit code (the sign moved to
+    bit 2), read from the 8-byte signed table by one PRMT."""
     _, tb = _int8_table(3)
     return [
         ("shl", "t", "$5", 2),

@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--block-n", default="64,128")
     p.add_argument("--split-scale", default="1,2")
     p.add_argument("--lazy", default="1", help="lazy softmax max (TQGluonConfig.lazy_max) to try: 1, 0 or 1,0")
+    p.add_argument("--per-warp", default="0", help="TQGluonConfig.per_warp (the prototype) to try: 0, 1 or 0,1")
     p.add_argument("--pages", default="random", help="block tables: random, sequential or both (bench_decode.build_case)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -61,10 +62,13 @@ def main() -> None:
                     want = FORMATS[fmt]["decode"](case["caches"][fmt], q, tables[0], sl, case["sinks"]).float()
                     # the Gluon kernel reads the planar layout of the same bytes
                     cache = planar_from_slots(case["caches"][fmt], fmt, geom.head_dim)
-                    for maxnreg, block_n, lazy in itertools.product(map(int, args.maxnreg.split(",")),
-                                                                    map(int, args.block_n.split(",")),
-                                                                    map(int, args.lazy.split(","))):
-                        cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None, lazy_max=bool(lazy))
+                    for maxnreg, block_n, lazy, per_warp in itertools.product(
+                            map(int, args.maxnreg.split(",")), map(int, args.block_n.split(",")),
+                            map(int, args.lazy.split(",")), map(int, args.per_warp.split(","))):
+                        if per_warp and (fmt != "turboquant_4bit_nc" or block_n != 64):
+                            continue
+                        cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None, lazy_max=bool(lazy),
+                                               per_warp=bool(per_warp))
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev, waves=())
                         tg.default_config = lambda fmt, head_dim, cfg=cfg: cfg  # noqa: E731 - the router reads it
@@ -80,10 +84,11 @@ def main() -> None:
                                 print(f"  {fmt} {cfg} splits={splits}: {type(exc).__name__} {str(exc)[:300]}")
                                 continue
                             results.append({"geometry": gname, "pages": pages, "batch": batch, "context": ctx, "format": fmt,
-                                            "maxnreg": maxnreg, "block_n": block_n, "lazy_max": bool(lazy), "resident": res,
+                                            "maxnreg": maxnreg, "block_n": block_n, "lazy_max": bool(lazy),
+                                            "per_warp": bool(per_warp), "resident": res,
                                             "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
                                             "baselines": base})
-                            print(f"  {fmt}_gl block_n={block_n} lazy={lazy} maxnreg={maxnreg} resident={res} "
+                            print(f"  {fmt}_gl block_n={block_n} lazy={lazy} per_warp={per_warp} maxnreg={maxnreg} resident={res} "
                                   f"splits={splits}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s; vs Triton "
                                   f"{base[fmt] / us:.2f}x; err vs Triton {err:.1e})", flush=True)
                     del cache

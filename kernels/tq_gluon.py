@@ -485,6 +485,9 @@ class TQGluonConfig:
     """Tokens per tile (64 or 128): the M of the score MMA."""
     maxnreg: int | None = None
     """Register cap per thread (None: the compiler's choice)."""
+    per_warp: bool = False
+    """PROTOTYPE (branch proto/tq-warp-mma): run `tq_warp.decode_tq_warp` instead (turboquant_4bit_nc only):
+    each warp its own 16 tokens with mma.sync, no barrier per tile."""
     lazy_max: bool = True
     """Keep the softmax reference max until a score passes it by `LAZY_MAX_MARGIN` (log2 units): the common
     tile then needs no cross-warp max and no rescaling, only each warp's "passed" flag, read after the
@@ -597,6 +600,11 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
 
     batch, num_q_heads, head_dim = query.shape
     cfg = config or default_config(fmt, head_dim)
+    if cfg.per_warp:
+        from kvpolicy.kernels.tq_warp import decode_tq_warp
+
+        return decode_tq_warp(query, q16, q_scale, cache, fmt, block_tables, seq_lens, sliding_window=sliding_window,
+                              sinks=sinks, splits=splits, out=out, maxnreg=cfg.maxnreg)
     if cfg.block_n not in (64, 128):
         raise ValueError(f"TQGluonConfig: block_n must be 64 or 128, got {cfg}")
     num_kv_heads = cache.shape[1]

@@ -100,6 +100,26 @@ def test_gluon_routing_says_why(device: str) -> None:
         _run("turboquant_4bit_nc", device, kernel="cuda", **kw)
 
 
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("d, hq", [(128, 32), (64, 64), (128, 8)])
+@pytest.mark.parametrize("window, sinks, splits", [(None, False, 1), (None, True, 3), (48, True, 1),
+                                                   (200, False, 2), (None, False, None)])
+@pytest.mark.parametrize("maxnreg", [None, 128])
+def test_per_warp_prototype_matches_reference(d: int, hq: int, window, sinks: bool, splits, maxnreg,
+                                              device: str, monkeypatch) -> None:
+    """PROTOTYPE (branch proto/tq-warp-mma): `tq_warp`'s per-warp mma.sync kernel against the float64
+    reference over the int8 centroids, turboquant_4bit_nc, the shapes of the warpgroup kernel's test."""
+    from kvpolicy.kernels import tq_gluon
+
+    monkeypatch.setattr(tq_gluon, "default_config",
+                        lambda fmt, head_dim: tq_gluon.TQGluonConfig(block_n=64, per_warp=True, maxnreg=maxnreg))
+    out, ref, _ = run_planar("turboquant_4bit_nc", device, bsz=4, hq=hq, hkv=8, d=d, seq=(1, 37, 300, 1025),
+                             splits=splits, window=window, sinks=sinks)
+    assert not out.isnan().any(), "unwritten output or a read of an unattended (NaN) slot"
+    assert _rel(out, ref) <= TOL_SAME_CACHE
+
+
 @pytest.mark.parametrize("fmt", GLUON_FORMATS)
 @pytest.mark.parametrize("d", [64, 128])
 def test_kernel_table_holds_the_query_order_then_the_prmt_table_word(fmt: str, d: int) -> None:

@@ -1,0 +1,338 @@
+"""PROTOTYPE (branch proto/tq-warp-mma, not on main; never run on a GPU): TurboQuant 4bit_nc decode on
+Hopper with each warp independent, no barrier per tile.
+
+Why (bench/NOTES_TQ.md, ninth session): the warpgroup kernel (`tq_gluon.py`) is held by its per-tile chain
+under two warpgroup barriers, not by its instruction count, bytes in flight or MMA latencies. Here each of
+the 4 warps owns 16 tokens (one page) of every 64-token tile and runs its own online softmax:
+- S_w = Q K_w^T with mma.sync (int8, m16n8k32): Q [16, D] is the A operand (rows 0-7 the query's hi bytes,
+  8-15 its lo bytes, `tq_gluon`'s two-byte query), K_w^T the B operand straight from the unpacked key
+  registers (the same thread-to-coordinate map as the wgmma A operand, so `int8_operand_order` holds);
+- P_w in the accumulator layout (head g in thread g, tokens 2c, 2c + 1, 8 + 2c, 9 + 2c) *is* the B operand
+  of O_w^T = V_w^T P_w^T (fp16, m16n8k16), and V_w^T is the A operand from registers: each thread loads its
+  4 tokens' 8 bytes (D 128) and turns token pairs into fp16 subnormal pairs with one PRMT per 2 bytes, so
+  the values never go through shared memory;
+- the warps' (max, sums, O^T) are merged once, at the end.
+The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8), and an exact running
+max with a rescale of O^T on every tile (Gluon has no per-warp branch for a lazy max).
+
+Scope: turboquant_4bit_nc, head_dim 64 or 128, GQA groups up to 8, 16-token planar pages, sm_90 (mma.sync
+runs on sm_80+). Inputs as `tq_gluon.decode_tq_gluon`.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvpolicy.kernels.decode_gluon import split_tiles
+from kvpolicy.kernels.tq_gluon import (
+    _K4_I8_ASM,
+    Q_LO,
+    Q_LO_INT,
+    _kernel_table,
+    _word_bytes,
+    kernel_constexprs,
+)
+from kvpolicy.kernels.turboquant import SUBNORMAL_UNIT
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+BN = gl.constexpr(64)
+"""Tokens per tile: 16 per warp, one page each."""
+
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
+QA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
+KB8 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
+VA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+PB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+_UNSUB = gl.constexpr(1.0 / SUBNORMAL_UNIT)
+XL = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, 16]))
+"""Scores and P [warp, head, token]: head g in lane group g, tokens 2c, 2c + 1, 8 + 2c, 9 + 2c in thread c of
+it (the mma.sync accumulator's rows g (hi) and 8 + g (lo) combined)."""
+ROWL = gl.constexpr(gl.SliceLayout(2, XL.value))
+TOKL = gl.constexpr(gl.SliceLayout(1, XL.value))
+
+# Two tokens' value words a, b (bytes j: dims j (low nibble) and D/2 + j (high)) -> 16 fp16 subnormal halves:
+# for byte pair q (bytes 2q, 2q + 1), byte tt of the pair, nibble u: the halves (token a, token b), 16^u x code.
+_V_PAIR_ASM = gl.constexpr("""{
+.reg .b32 p, s, o;
+prmt.b32 p, $16, $17, 0x5410;
+shr.b32 s, p, 8;
+and.b32 o, p, 0x000F000F; mov.b32 {$0, $1}, o;
+and.b32 o, p, 0x00F000F0; mov.b32 {$2, $3}, o;
+and.b32 o, s, 0x000F000F; mov.b32 {$4, $5}, o;
+and.b32 o, s, 0x00F000F0; mov.b32 {$6, $7}, o;
+prmt.b32 p, $16, $17, 0x7632;
+shr.b32 s, p, 8;
+and.b32 o, p, 0x000F000F; mov.b32 {$8, $9}, o;
+and.b32 o, p, 0x00F000F0; mov.b32 {$10, $11}, o;
+and.b32 o, s, 0x000F000F; mov.b32 {$12, $13}, o;
+and.b32 o, s, 0x00F000F0; mov.b32 {$14, $15}, o;
+}""")
+_H16_RR = gl.constexpr(",".join(["=h"] * 16) + ",r,r")
+
+
+def value_layout(head_dim: int) -> gl.DistributedLinearLayout:
+    """Register layout of a tile's value code words [64, D/8]: thread (g, c) of warp w holds words
+    [E g, E g + E) (E = D/64: its 8 or 4 bytes) of tokens 16 w + {2c, 2c + 1, 8 + 2c, 9 + 2c}, the tokens of
+    its P^T B-operand rows."""
+    e = head_dim // 64
+    return gl.DistributedLinearLayout(
+        reg_bases=([[0, 1]] if e == 2 else []) + [[1, 0], [8, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, e], [0, 2 * e], [0, 4 * e]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BN, head_dim // 8])
+
+
+def key_layout3(key_bytes: int) -> gl.DistributedLinearLayout:
+    """`tq_gluon.key_layout(64, key_bytes)` with the token axis split as [warp, row]: [4, 16, key_bytes / 4]."""
+    cw = key_bytes // 16
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << k] for k in range(cw.bit_length() - 1)] + [[0, 8, 0]],
+        lane_bases=[[0, 0, cw], [0, 0, 2 * cw], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, key_bytes // 4])
+
+
+def value_layout3(head_dim: int) -> gl.DistributedLinearLayout:
+    """`value_layout` with the token axis split as [warp, row]: [4, 16, D/8]."""
+    e = head_dim // 64
+    return gl.DistributedLinearLayout(
+        reg_bases=([[0, 0, 1]] if e == 2 else []) + [[0, 1, 0], [0, 8, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, e], [0, 0, 2 * e], [0, 0, 4 * e]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, head_dim // 8])
+
+
+def dim_of_row(head_dim: int) -> torch.Tensor:
+    """The head dim at each row of O^T: row 16 t + 8 u + g holds dim u D/2 + g D/16 + t (thread g's bytes
+    [g D/16, (g + 1) D/16), low nibbles then high)."""
+    m = torch.arange(head_dim)
+    t, u, g = m // 16, (m // 8) % 2, m % 8
+    return u * (head_dim // 2) + g * (head_dim // 16) + t
+
+
+@gluon.jit
+def _keys_operand(kc, table, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Key code words [BN, KBM/4] (`tq_gluon.key_layout`) -> the int8 B operand K_w^T [4, D, 16]: register
+    g of word m of thread c at K = 16 (2 m + g) + 4 c + i (`turboquant.int8_operand_order`)."""
+    W: gl.constexpr = KBM // 4
+    o0, o1 = gl.inline_asm_elementwise(_K4_I8_ASM, "=r,=r,r,r", [_word_bytes(kc, BN, W), table],
+                                       dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+    M: gl.constexpr = KBM // 16
+    y = gl.permute(gl.reshape(gl.join(o0, o1), [BN, 4, M, 4, 2]), (0, 2, 4, 1, 3))
+    return gl.convert_layout(gl.permute(gl.reshape(y, [4, 16, HEAD_DIM]), (0, 2, 1)), KB8)
+
+
+@gluon.jit
+def _values_operand(vc, HEAD_DIM: gl.constexpr):
+    """Value code words [64, D/8] (`value_layout`) -> the fp16 A operand V_w^T [4, D, 16] of exact subnormals
+    (16^u x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row`, column = token 8 r8 + 2 c + h."""
+    E: gl.constexpr = HEAD_DIM // 64
+    a, b = gl.split(gl.permute(gl.reshape(vc, [32, 2, HEAD_DIM // 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
+    h = gl.inline_asm_elementwise(_V_PAIR_ASM, _H16_RR, [a, b], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    # h[((q * 2 + tt) * 2 + u) * 2 + hh]; `join` adds its axis last, so the nesting below puts the axes in
+    # the order (hh, u, tt, q) after the pair and word axes
+    y = gl.join(gl.join(gl.join(gl.join(h[0], h[1]), gl.join(h[2], h[3])),
+                        gl.join(gl.join(h[4], h[5]), gl.join(h[6], h[7]))),
+                gl.join(gl.join(gl.join(h[8], h[9]), gl.join(h[10], h[11])),
+                        gl.join(gl.join(h[12], h[13]), gl.join(h[14], h[15]))))
+    # [32 pairs (w, r8, c), D/8 words (g, e), hh, u, tt, q]
+    y = gl.reshape(y, [4, 2, 4, 8, E, 2, 2, 2, 2])
+    y = gl.permute(y, (0, 4, 8, 7, 6, 3, 1, 2, 5))  # (w, e, q, tt, u, g, r8, c, hh)
+    return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, 16]), VA)
+
+
+@gluon.jit
+def _load_w(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
+            SLOT: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr,
+            NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr):
+    """A tile's bytes, each warp its page: key code words [64, KBM/4] (`tq_gluon.key_layout`), value code
+    words [64, D/8] (`value_layout`), the fp16 fields [4, 16] in the score columns' layout."""
+    # Warp w's 16 tokens are page w of the tile: one block-table entry per warp (page 0 past the sequence).
+    pw_l: gl.constexpr = gl.SliceLayout(1, TOKL)
+    w = gl.arange(0, 4, layout=pw_l)
+    pw = gl.load(bt_row + tile * 4 + w, mask=(tile * 4 + w) * 16 < seq_len, other=0)
+    base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # the page's first 32-bit word
+    # keys: rows r, r + 8 of the warp's page, a quarter row per thread
+    kb3 = gl.convert_layout(base, gl.SliceLayout(1, gl.SliceLayout(2, K3_LAYOUT)))
+    kr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, K3_LAYOUT)))
+    kw = gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, K3_LAYOUT)))
+    kc = gl.load(cache32_ptr + kb3[:, None, None] + (kr * (KBM // 4))[None, :, None] + kw[None, None, :])
+    kc = gl.reshape(kc, [BN, KBM // 4])
+    # values: tokens 2c, 2c + 1, 8 + 2c, 9 + 2c of the warp's page, thread g's D/16 bytes
+    vb3 = gl.convert_layout(base, gl.SliceLayout(1, gl.SliceLayout(2, V3_LAYOUT)))
+    vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, V3_LAYOUT)))
+    vw = gl.arange(0, VBM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V3_LAYOUT)))
+    vc = gl.load(cache32_ptr + (vb3 + 4 * KB)[:, None, None] + (vr * (VBM // 4))[None, :, None] + vw[None, None, :])
+    vc = gl.reshape(vc, [BN, VBM // 4])
+
+    # fields of the tokens in the score's columns (planes of 16 halves per page)
+    tk = gl.arange(0, 16, layout=gl.SliceLayout(0, TOKL))
+    f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, None] + tk[None, :]
+    knorm = gl.load(f).to(gl.float16, bitcast=True).to(gl.float32)
+    vscale = gl.load(f + 16 * (NF - 2)).to(gl.float16, bitcast=True).to(gl.float32)
+    vzero = gl.load(f + 16 * (NF - 1)).to(gl.float16, bitcast=True).to(gl.float32)
+    return kc, vc, knorm, vscale, vzero
+
+
+@gluon.jit
+def _tile(kc, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
+          HEAD_DIM: gl.constexpr, KBM: gl.constexpr, EDGE: gl.constexpr):
+    """One 64-token tile, each warp its 16 tokens: loads, S_w, exact online softmax, O_w^T += V_w^T P_w^T.
+    EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
+    path). The tile's bytes come from `_load_w`, issued one tile ahead."""
+    s = mma_v2(q3, _keys_operand(kc, table, BN, KBM, HEAD_DIM), gl.zeros([4, 16, BN // 4], gl.int32, MMA))
+    # rows h (hi bytes) and 8 + h (lo bytes) are in the same thread
+    hi, lo = gl.split(gl.permute(gl.reshape(s, [4, 2, 8, 16]), (0, 2, 3, 1)))
+    x = gl.convert_layout((hi * Q_LO_INT + lo).to(gl.float32), XL)  # [4, 8 heads, 16 tokens]
+    if EDGE:
+        # Stale slots may hold NaN norms and scales: masked scores, zero scale and zero point.
+        pos = (tile * BN + gl.arange(0, 4, layout=gl.SliceLayout(1, TOKL))[:, None] * 16
+               + gl.arange(0, 16, layout=gl.SliceLayout(0, TOKL))[None, :])
+        ok = (pos < seq_len) & (pos >= start)
+        knorm = gl.where(ok, knorm, 0.0)
+        vscale = gl.where(ok, vscale, 0.0)
+        vzero = gl.where(ok, vzero, 0.0)
+    x = (x + qc[None, :, None]) * (qf[None, :, None] * knorm[:, None, :])
+    if EDGE:
+        x = gl.where(ok[:, None, :], x, float("-inf"))
+
+    # exact online softmax per warp and head (the max over a warp's 16 tokens stays in the warp)
+    m_new = gl.maximum(m_i, gl.max(x, 2))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(x - m_use[:, :, None])
+    l_part = l_part * alpha[:, :, None] + p
+    z_part = z_part * alpha[:, :, None] + p * vzero[:, None, :]
+    pb = gl.convert_layout(gl.permute((p * vscale[:, None, :]).to(gl.float16), (0, 2, 1)), PB)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
+    acc = mma_v2(_values_operand(vc, HEAD_DIM), pb, acc)
+    return m_new, l_part, z_part, acc
+
+
+@gluon.jit
+def _tq_warp_kernel(
+    q_ptr, order_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_out_ptr,
+    part_lse_ptr, q_scale, window, num_splits,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+    GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
+    KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr,
+    K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr, I8_SCALE: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+):
+    kvh = gl.program_id(0)
+    split = gl.program_id(1)
+    seq = gl.program_id(2)
+    seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
+
+    # The query as two signed bytes per coordinate, in the score MMA's K order (as `tq_gluon`), then the
+    # mma.sync A operand [4, 16, D] (every warp the whole query; once per program).
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
+    order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
+    q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
+                mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32) * q_scale
+    amax = gl.max(gl.abs(q), 1)
+    step = gl.where(amax > 0.0, amax / 127.0, 1.0)
+    x = q / step[:, None]
+    hi = gl.floor(x + 0.5)
+    lo = gl.floor((x - hi) * Q_LO + 0.5)
+    q16 = gl.reshape(gl.permute(gl.join(hi.to(gl.int8), lo.to(gl.int8)), (2, 0, 1)), [16, HEAD_DIM])
+    b3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1, 1], [2, 1, 0])
+    q3 = gl.expand_dims(gl.convert_layout(q16, gl.SliceLayout(0, b3)), 0) + gl.zeros([4, 16, HEAD_DIM], gl.int8, b3)
+    q3 = gl.convert_layout(q3, QA)
+    # the score of head h: (Q_LO hi.b + lo.b + qc) qf knorm (`tq_gluon`)
+    qf = gl.convert_layout(step * (1.0 / (Q_LO * I8_SCALE)), gl.SliceLayout(0, ROWL))
+    qc = gl.convert_layout(0.5 * gl.sum(hi * Q_LO + lo, 1), gl.SliceLayout(0, ROWL))
+
+    bt_row = block_tables_ptr + seq * stride_bt
+
+    m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
+    l_part = gl.zeros([4, 8, 16], gl.float32, layout=XL)
+    z_part = gl.zeros([4, 8, 16], gl.float32, layout=XL)
+    acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
+    ld = (cache32_ptr, cache16_ptr, bt_row)
+    kc, vc, knorm, vscale, vzero = _load_w(*ld, tile_lo, seq_len, kvh, NUM_KV, HEAD_DIM, SLOT, KBM, KB, VBM, VB, NF,
+                                           K3_LAYOUT, V3_LAYOUT)
+    # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
+    table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
+    for tile in range(tile_lo, tile_hi):
+        nkc, nvc, nknorm, nvscale, nvzero = _load_w(*ld, tile + 1, seq_len, kvh, NUM_KV, HEAD_DIM, SLOT, KBM, KB,
+                                                    VBM, VB, NF, K3_LAYOUT, V3_LAYOUT)
+        if (tile * BN < start) | (tile * BN + BN > seq_len):
+            m_i, l_part, z_part, acc = _tile(kc, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc,
+                                             m_i, l_part, z_part, acc, HEAD_DIM, KBM, True)
+        else:
+            m_i, l_part, z_part, acc = _tile(kc, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc,
+                                             m_i, l_part, z_part, acc, HEAD_DIM, KBM, False)
+        kc, vc, knorm, vscale, vzero = nkc, nvc, nknorm, nvscale, nvzero
+
+    # merge the 4 warps: each its own max, sums and O^T
+    m_f = gl.max(m_i, 0)  # [8]
+    m_use = gl.where(m_f == float("-inf"), 0.0, m_f)
+    w_scale = gl.exp2(m_i - m_use[None, :])  # [4, 8]; 0 for a warp that saw nothing
+    w_scale = gl.where(m_i == float("-inf"), 0.0, w_scale)
+    l_i = gl.sum(gl.sum(l_part, 2) * w_scale, 0)
+    z_i = gl.sum(gl.sum(z_part, 2) * w_scale, 0)
+    ws = gl.convert_layout(w_scale, gl.SliceLayout(1, MMA))
+    o = gl.sum(acc * ws[:, None, :], 0)  # [D, 8]
+    out_l: gl.constexpr = gl.SliceLayout(0, MMA)
+    rows = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_l))
+    t = rows // 16
+    u = (rows // 8) % 2
+    g = rows % 8
+    offs_d = u * (HEAD_DIM // 2) + g * (HEAD_DIM // 16) + t  # `dim_of_row`
+    unit = _UNSUB * gl.exp2(u.to(gl.float32) * -4.0)  # 16^u x 2^-24
+    offs_h = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))
+    h_mask = offs_h < GROUP
+    q_head = kvh * GROUP + offs_h
+    m_o = gl.convert_layout(m_f, gl.SliceLayout(0, out_l))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(0, out_l))
+    z_o = gl.convert_layout(z_i, gl.SliceLayout(0, out_l))
+    o = o * unit[:, None] + z_o[None, :]
+    if IS_SPLIT:
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        lse = m_o + gl.log2(l_o)
+        row = seq * (NUM_KV * GROUP) + q_head
+        gl.store(part_lse_ptr + row * num_splits + split, lse, mask=h_mask)
+        gl.store(part_out_ptr + ((row * num_splits + split) * HEAD_DIM)[None, :] + offs_d[:, None],
+                 o / l_safe[None, :], mask=h_mask[None, :])
+    else:
+        if HAS_SINKS:
+            sink = gl.load(sinks_ptr + q_head, mask=h_mask, other=0.0) * 1.4426950408889634
+            m_fin = gl.maximum(m_o, sink)
+            corr = gl.exp2(m_o - m_fin)
+            l_o = l_o * corr + gl.exp2(sink - m_fin)
+            o = o * corr[None, :]
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        gl.store(out_ptr + seq * stride_ob + (q_head * stride_oh)[None, :] + offs_d[:, None],
+                 (o / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
+
+
+def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
+                   sinks: torch.Tensor | None, splits: int, out: torch.Tensor, maxnreg: int | None = None) -> torch.Tensor:
+    """Run the prototype (and the shared merge when split); arguments as `tq_gluon.decode_tq_gluon`. At
+    head_dim 128 it compiles to 152 registers (3 programs per SM), to 128 with no spills under a cap of 128
+    (`maxnreg`; sm_90 SASS, `bench/sass_mix.py`-style count: 341 instructions per thread on a common tile
+    against 312 for `tq_gluon`'s warpgroup kernel, 328 uncapped; head_dim 64: 110 registers, 230 against
+    232)."""
+    from kvpolicy.kernels.decode_attention import launch_merge, split_partials
+    from kvpolicy.kernels.tq_gluon import TQGluonConfig
+
+    if fmt != "turboquant_4bit_nc":
+        raise ValueError(f"the per-warp prototype decodes turboquant_4bit_nc only, not {fmt}")
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = cache.shape[1]
+    cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, TQGluonConfig(block_n=64))
+    cx = {k: cx[k] for k in ("GROUP", "NUM_KV", "HEAD_DIM", "SLOT", "KBM", "KB", "VBM", "VB", "NF", "I8_SCALE")}
+    part_out, part_lse = split_partials(out, splits)
+    _tq_warp_kernel[(num_kv_heads, splits, batch)](
+        q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
+        block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
+        int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
+        out.stride(1), **cx, K3_LAYOUT=key_layout3(cx["KBM"]), V3_LAYOUT=value_layout3(head_dim), HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
+    if splits > 1:
+        launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)
+    return out

@@ -31,7 +31,7 @@ from kvpolicy.kernels.tq_gluon import (
     _word_bytes,
     kernel_constexprs,
 )
-from kvpolicy.kernels.turboquant import SUBNORMAL_UNIT
+from kvpolicy.kernels.turboquant import SUBNORMAL_UNIT, render_ptx
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -53,24 +53,20 @@ it (the mma.sync accumulator's rows g (hi) and 8 + g (lo) combined)."""
 ROWL = gl.constexpr(gl.SliceLayout(2, XL.value))
 TOKL = gl.constexpr(gl.SliceLayout(1, XL.value))
 
-# Two tokens' value words a, b (bytes j: dims j (low nibble) and D/2 + j (high)) -> 16 fp16 subnormal halves:
-# for byte pair q (bytes 2q, 2q + 1), byte tt of the pair, nibble u: the halves (token a, token b), 16^u x code.
-_V_PAIR_ASM = gl.constexpr("""{
-.reg .b32 p, s, o;
-prmt.b32 p, $16, $17, 0x5410;
-shr.b32 s, p, 8;
-and.b32 o, p, 0x000F000F; mov.b32 {$0, $1}, o;
-and.b32 o, p, 0x00F000F0; mov.b32 {$2, $3}, o;
-and.b32 o, s, 0x000F000F; mov.b32 {$4, $5}, o;
-and.b32 o, s, 0x00F000F0; mov.b32 {$6, $7}, o;
-prmt.b32 p, $16, $17, 0x7632;
-shr.b32 s, p, 8;
-and.b32 o, p, 0x000F000F; mov.b32 {$8, $9}, o;
-and.b32 o, p, 0x00F000F0; mov.b32 {$10, $11}, o;
-and.b32 o, s, 0x000F000F; mov.b32 {$12, $13}, o;
-and.b32 o, s, 0x00F000F0; mov.b32 {$14, $15}, o;
-}""")
-_H16_RR = gl.constexpr(",".join(["=h"] * 16) + ",r,r")
+def v_pair_program() -> list:
+    """Two tokens' value words $8 (token a), $9 (token b) (byte j: dims j (low nibble) and D/2 + j (high)) ->
+    8 words of fp16 subnormal pairs (token a low half, token b high half), 16^u x code x 2^-24: output
+    (q 2 + tt) 2 + u is nibble u of byte 2 q + tt. One PRMT per byte pair, then a shift and 4 ANDs."""
+    prog = []
+    for q, sel in ((0, 0x5410), (1, 0x7632)):
+        prog += [("prmt", "p", "$8", "$9", sel), ("shr", "s", "p", 8)]
+        for tt, src in ((0, "p"), (1, "s")):
+            for u, mask in ((0, 0x000F000F), (1, 0x00F000F0)):
+                prog.append(("and", f"${(q * 2 + tt) * 2 + u}", src, mask))
+    return prog
+
+
+_V_PAIR_ASM = gl.constexpr(render_ptx(v_pair_program()))
 
 
 def value_layout(head_dim: int) -> gl.DistributedLinearLayout:
@@ -123,18 +119,25 @@ def _keys_operand(kc, table, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: gl.c
 
 
 @gluon.jit
+def _halves(w):
+    """int32 words -> [..., 2] fp16: low half, high half."""
+    lo = (w & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+    hi = (w >> 16).to(gl.int16).to(gl.float16, bitcast=True)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
 def _values_operand(vc, HEAD_DIM: gl.constexpr):
     """Value code words [64, D/8] (`value_layout`) -> the fp16 A operand V_w^T [4, D, 16] of exact subnormals
     (16^u x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row`, column = token 8 r8 + 2 c + h."""
     E: gl.constexpr = HEAD_DIM // 64
     a, b = gl.split(gl.permute(gl.reshape(vc, [32, 2, HEAD_DIM // 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
-    h = gl.inline_asm_elementwise(_V_PAIR_ASM, _H16_RR, [a, b], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-    # h[((q * 2 + tt) * 2 + u) * 2 + hh]; `join` adds its axis last, so the nesting below puts the axes in
-    # the order (hh, u, tt, q) after the pair and word axes
-    y = gl.join(gl.join(gl.join(gl.join(h[0], h[1]), gl.join(h[2], h[3])),
-                        gl.join(gl.join(h[4], h[5]), gl.join(h[6], h[7]))),
-                gl.join(gl.join(gl.join(h[8], h[9]), gl.join(h[10], h[11])),
-                        gl.join(gl.join(h[12], h[13]), gl.join(h[14], h[15]))))
+    o = gl.inline_asm_elementwise(_V_PAIR_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [a, b], dtype=(gl.int32,) * 8,
+                                  is_pure=True, pack=1)
+    # output (q 2 + tt) 2 + u; its halves (token a, token b) as the innermost axis hh. `join` adds its axis
+    # last, so the nesting below puts the axes in the order (hh, u, tt, q) after the pair and word axes.
+    y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
+                gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
     # [32 pairs (w, r8, c), D/8 words (g, e), hh, u, tt, q]
     y = gl.reshape(y, [4, 2, 4, 8, E, 2, 2, 2, 2])
     y = gl.permute(y, (0, 4, 8, 7, 6, 3, 1, 2, 5))  # (w, e, q, tt, u, g, r8, c, hh)

@@ -24,10 +24,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--per-warp", action="store_true", help="_gl rows: the per-warp kernel (TQGluonConfig.per_warp), whatever the default")
     a = ap.parse_args()
     device = torch.device("cuda")
     geom = GEOMETRIES[a.geometry]
     row = FORMATS[a.format]
+    if a.per_warp:
+        from kvpolicy.kernels import tq_gluon as tg
+
+        tg.default_config = lambda fmt, head_dim: tg.TQGluonConfig(  # the router reads it
+            block_n=64, per_warp=True, maxnreg=128 if head_dim >= 128 else None)
     case = build_case(geom, a.batch, a.context, {a.format: row}, sdpa=False, copies=1, device=device)
     args = (case["caches"][a.format], case["query"], case["tables"][0], case["seq_lens"])
     for _ in range(a.iters):

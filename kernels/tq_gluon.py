@@ -185,17 +185,16 @@ def _plane_words(cache32_ptr, word0, W: gl.constexpr, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _page_base(bt_row, tile, seq_len, kvh, L: gl.constexpr, BN: gl.constexpr, NUM_KV: gl.constexpr):
-    """Which planar page (page x NUM_KV + this KV head, int64) holds each token of tile `tile` (rows of layout
-    L), and the token's row in it; page 0 past the sequence (masked later; the table may hold anything
-    there). Offsets are then taken in the unit of each load (words, halves): no division of int64."""
+def _pages(bt_row, tile, seq_len, L: gl.constexpr, BN: gl.constexpr):
+    """The block-table entry of each token of tile `tile` (rows of layout L); page 0 past the sequence (masked
+    later; the table may hold anything there). Loaded `TQGluonConfig.pages_ahead` tiles ahead: every load of
+    a tile's bytes waits for these."""
     t = tile * BN + gl.arange(0, BN, layout=L)
-    page = gl.load(bt_row + (t >> 4), mask=t < seq_len, other=0)  # t >= 0: shifts, not signed division
-    return page.to(gl.int64) * NUM_KV + kvh, t & 15
+    return gl.load(bt_row + (t >> 4), mask=t < seq_len, other=0)  # t >= 0: shifts, not signed division
 
 
 @gluon.jit
-def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.constexpr, SLOT: gl.constexpr,
+def _load_tile(cache32_ptr, cache16_ptr, page, tile, kvh, BN: gl.constexpr, SLOT: gl.constexpr,
                NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr,
                KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr,
                K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
@@ -204,9 +203,11 @@ def _load_tile(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, BN: gl.cons
     in the score rows' layout. 3-bit codes come as their 2-bit plane's words and the matching 1-bit words
     (`_plane_words`); other formats return 0 for those. Words, not bytes: a byte tensor carried to the next
     iteration is split into single bytes. KBM, VBM: bytes per token of the first key and value code plane;
-    KB, VB: of all of them (`kernel_constexprs`)."""
+    KB, VB: of all of them (`kernel_constexprs`). `page`: the tile's `_pages`.
+    Offsets are taken in the unit of each load (words, halves): no division of int64."""
     # page bases in 32-bit words (a page is 16 SLOT bytes, SLOT even) and in halves for the fp16 fields
-    pk, rk = _page_base(bt_row, tile, seq_len, kvh, gl.SliceLayout(1, K_LAYOUT), BN, NUM_KV)
+    pk = page.to(gl.int64) * NUM_KV + kvh
+    rk = (tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, K_LAYOUT))) & 15  # the token's row in its page
     kc = gl.load(cache32_ptr + (pk * (4 * SLOT) + rk * (KBM // 4))[:, None]
                  + gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, K_LAYOUT))[None, :])
     ks = 0
@@ -369,7 +370,8 @@ def _tq_gluon_kernel(
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr, BN: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
     VB: gl.constexpr, NF: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, LAZY: gl.constexpr,
-    I8_SCALE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    I8_SCALE: gl.constexpr, PAGES_AHEAD: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
@@ -420,18 +422,25 @@ def _tq_gluon_kernel(
     z_part = gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT)
     acc = gl.zeros([HEAD_DIM, 8], gl.float32, layout=S_LAYOUT)
 
-    # Software pipeline: the bytes of tile i+1 load while tile i is computed.
+    # Software pipeline: the bytes of tile i+1 load while tile i is computed, their block-table entries
+    # PAGES_AHEAD tiles ahead (one tile ahead, every tile waited for its entries before issuing its loads).
     bt_row = block_tables_ptr + seq * stride_bt
     table_lo = 0
     if KEY_BITS != 8:
         table_lo = gl.load(order_ptr + HEAD_DIM)  # loaded, so that it stays in a register (see `_attend`)
-    kc, ks, vc, vh, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, bt_row, tile_lo, seq_len, kvh, BN,
-                                                      SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF,
-                                                      K_LAYOUT, V_LAYOUT)
+    PL: gl.constexpr = gl.SliceLayout(1, K_LAYOUT)
+    kc, ks, vc, vh, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, _pages(bt_row, tile_lo, seq_len, PL, BN),
+                                                      tile_lo, kvh, BN, SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS, KBM,
+                                                      KB, VBM, VB, NF, K_LAYOUT, V_LAYOUT)
+    page = _pages(bt_row, tile_lo + 1, seq_len, PL, BN)
     for tile in range(tile_lo, tile_hi):
+        if PAGES_AHEAD == 1:
+            page = _pages(bt_row, tile + 1, seq_len, PL, BN)
         nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_tile(
-            cache32_ptr, cache16_ptr, bt_row, tile + 1, seq_len, kvh, BN, SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS,
+            cache32_ptr, cache16_ptr, page, tile + 1, kvh, BN, SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS,
             KBM, KB, VBM, VB, NF, K_LAYOUT, V_LAYOUT)
+        if PAGES_AHEAD == 2:
+            page = _pages(bt_row, tile + 2, seq_len, PL, BN)
         tile_start = tile * BN
         if (tile_start < start) | (tile_start + BN > seq_len):
             m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, table_lo, q_smem, qf, qc,
@@ -486,8 +495,11 @@ class TQGluonConfig:
     maxnreg: int | None = None
     """Register cap per thread (None: the compiler's choice)."""
     per_warp: bool = False
-    """PROTOTYPE (branch proto/tq-warp-mma): run `tq_warp.decode_tq_warp` instead (turboquant_4bit_nc only):
-    each warp its own 16 tokens with mma.sync, no barrier per tile."""
+    """Run `tq_warp.decode_tq_warp` instead (`tq_warp.FORMATS`, 64-token tiles): each warp its own 16 tokens
+    with mma.sync, no barrier per tile."""
+    pages_ahead: int = 2
+    """How many tiles ahead the block-table entries load (1 or 2). Each tile's loads need its entries; at 1 the
+    warp stalled on them before issuing the loads (Nsight Compute, NOTES_TQ.md tenth session)."""
     lazy_max: bool = True
     """Keep the softmax reference max until a score passes it by `LAZY_MAX_MARGIN` (log2 units): the common
     tile then needs no cross-warp max and no rescaling, only each warp's "passed" flag, read after the
@@ -495,14 +507,24 @@ class TQGluonConfig:
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
-    """The faster tile of bench/probe_tq_gluon.py on an H200 (NOTES_TQ.md, seventh session): 128 tokens for
-    FP8 keys at head_dim 128 (Llama layer, batch 8, 128k: k8v4 498 us against 568 for 64), else 64, which
-    leaves 4-5 programs per SM (4bit_nc 514 against 570; 3bit_nc 545 against 605; gpt-oss 4bit_nc 350
-    against 399). 64-token tiles at head_dim 128 are capped at 128 registers, which keeps 4 programs per SM
-    (without the cap they compile to 125-128, and did to 136 before; no spills under it)."""
+    """The fastest configuration of bench/probe_tq_gluon.py on an H200 at batch 8, 128k (NOTES_TQ.md, seventh
+    and tenth sessions):
+    - 4-bit values (4bit_nc, k3v4_nc): the per-warp kernel (`tq_warp`). gpt-oss layer 4bit_nc 220 us against
+      248 for the warpgroup kernel, k3v4_nc 218 against 254; Llama layer 347 against 356 and 330 against 341.
+      At batch 1 on the Llama layer it was 2-4 us slower (60 against 56-58 us).
+    - FP8 keys at head_dim 128 (k8v4): 128-token tiles (Llama layer 498 us against 568 for 64).
+    - else 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for 128).
+    At head_dim 128, 64-token tiles are capped at 128 registers: 4 programs per SM, no spills. The block
+    table loads two tiles ahead (Llama 3bit_nc 392 us against 401, gpt-oss 242 against 251), except for
+    the per-warp k3v4_nc at head_dim 128, where the second tile's pages spill under the cap (330 us
+    against 357)."""
+    cap = 128 if head_dim >= 128 else None
+    if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc"):
+        return TQGluonConfig(block_n=64, maxnreg=cap, per_warp=True,
+                             pages_ahead=1 if fmt == "turboquant_k3v4_nc" and head_dim >= 128 else 2)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
-    return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)
+    return TQGluonConfig(block_n=64, maxnreg=cap)
 
 
 REGISTERS = {
@@ -526,6 +548,11 @@ def programs_per_sm(fmt: str, head_dim: int, device: torch.device, cfg: TQGluonC
     shared memory: 2 at head_dim 128 with 128-token tiles, 4-5 at head_dim 64 with 64-token tiles."""
     from kvpolicy.kernels.decode_attention import resident_programs
 
+    if cfg.per_warp:
+        from kvpolicy.kernels import tq_warp
+
+        regs = cfg.maxnreg or tq_warp.REGISTERS.get(fmt, {}).get(head_dim, 255)
+        return resident_programs(regs, tq_warp.smem_bytes(head_dim), 4, device)
     regs = cfg.maxnreg or REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n), 255)
     return resident_programs(regs, smem_bytes(head_dim, cfg), 4, device)
 
@@ -585,7 +612,7 @@ def kernel_constexprs(fmt: str, head_dim: int, num_q_heads: int, num_kv_heads: i
     return dict(GROUP=num_q_heads // num_kv_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, SLOT=lay.slot_bytes,
                 BN=cfg.block_n, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, KBM=kbm, KB=lay.key_bytes, VBM=vbm,
                 VB=lay.val_bytes, NF=len(field_planes(fmt, head_dim)), K_LAYOUT=key_layout(cfg.block_n, kbm),
-                V_LAYOUT=key_layout(cfg.block_n, vbm), LAZY=cfg.lazy_max,
+                V_LAYOUT=key_layout(cfg.block_n, vbm), LAZY=cfg.lazy_max, PAGES_AHEAD=cfg.pages_ahead,
                 I8_SCALE=1.0 if lay.key_fp8 else int8_centroids(lay.key_bits)[1])
 
 
@@ -604,7 +631,7 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
         from kvpolicy.kernels.tq_warp import decode_tq_warp
 
         return decode_tq_warp(query, q16, q_scale, cache, fmt, block_tables, seq_lens, sliding_window=sliding_window,
-                              sinks=sinks, splits=splits, out=out, maxnreg=cfg.maxnreg)
+                              sinks=sinks, splits=splits, out=out, cfg=cfg)
     if cfg.block_n not in (64, 128):
         raise ValueError(f"TQGluonConfig: block_n must be 64 or 128, got {cfg}")
     num_kv_heads = cache.shape[1]

@@ -1,22 +1,26 @@
-"""PROTOTYPE (branch proto/tq-warp-mma, not on main; never run on a GPU): TurboQuant 4bit_nc decode on
-Hopper with each warp independent, no barrier per tile.
+"""Hopper TurboQuant decode with each warp independent: no barrier per tile. The default kernel for the
+formats with 4-bit values (`FORMATS`; `tq_gluon.default_config`), through `tq_gluon.decode_tq_gluon`.
 
-Why (bench/NOTES_TQ.md, ninth session): the warpgroup kernel (`tq_gluon.py`) is held by its per-tile chain
-under two warpgroup barriers, not by its instruction count, bytes in flight or MMA latencies. Here each of
-the 4 warps owns 16 tokens (one page) of every 64-token tile and runs its own online softmax:
+Why (bench/NOTES_TQ.md, tenth session): the warpgroup kernel (`tq_gluon.py`) waits, on every tile, at two
+warpgroup barriers and at the fence that lets its wgmma read P from shared memory; that fence also waits for
+the next tile's loads, issued at the start of the tile. Here each of the 4 warps owns 16 tokens (one page)
+of every 64-token tile and runs its own online softmax:
 - S_w = Q K_w^T with mma.sync (int8, m16n8k32): Q [16, D] is the A operand (rows 0-7 the query's hi bytes,
   8-15 its lo bytes, `tq_gluon`'s two-byte query), K_w^T the B operand straight from the unpacked key
-  registers (the same thread-to-coordinate map as the wgmma A operand, so `int8_operand_order` holds);
+  registers (the same thread-to-coordinate map as the wgmma A operand, so `int8_operand_order` holds for
+  4- and 3-bit keys);
 - P_w in the accumulator layout (head g in thread g, tokens 2c, 2c + 1, 8 + 2c, 9 + 2c) *is* the B operand
   of O_w^T = V_w^T P_w^T (fp16, m16n8k16), and V_w^T is the A operand from registers: each thread loads its
-  4 tokens' 8 bytes (D 128) and turns token pairs into fp16 subnormal pairs with one PRMT per 2 bytes, so
+  4 tokens' value bytes and turns token pairs into fp16 subnormal pairs with one PRMT per 2 bytes, so
   the values never go through shared memory;
 - the warps' (max, sums, O^T) are merged once, at the end.
 The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8), and an exact running
 max with a rescale of O^T on every tile (Gluon has no per-warp branch for a lazy max).
 
-Scope: turboquant_4bit_nc, head_dim 64 or 128, GQA groups up to 8, 16-token planar pages, sm_90 (mma.sync
-runs on sm_80+). Inputs as `tq_gluon.decode_tq_gluon`.
+Scope: turboquant_4bit_nc and turboquant_k3v4_nc, head_dim 64 or 128, GQA groups up to 8, 16-token planar
+pages, sm_90 (mma.sync runs on sm_80+, the callers route sm_90 only). Inputs as `tq_gluon.decode_tq_gluon`.
+Tested on the GPU against the float64 reference (tests/kernels/test_tq_gluon.py); the value operand's index
+algebra also on the CPU (tests/kernels/test_tq_warp.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import torch
 from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.tq_gluon import (
+    _K3_I8_ASM,
     _K4_I8_ASM,
     Q_LO,
     Q_LO_INT,
@@ -107,14 +112,25 @@ def dim_of_row(head_dim: int) -> torch.Tensor:
 
 
 @gluon.jit
-def _keys_operand(kc, table, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Key code words [BN, KBM/4] (`tq_gluon.key_layout`) -> the int8 B operand K_w^T [4, D, 16]: register
-    g of word m of thread c at K = 16 (2 m + g) + 4 c + i (`turboquant.int8_operand_order`)."""
+def _keys_operand(kc, ks, table, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  KEY_BITS: gl.constexpr):
+    """Key code words [BN, KBM/4] (`tq_gluon.key_layout`; 3-bit keys: the 2-bit plane's words, and in `ks` the
+    matching 1-bit words) -> the int8 B operand K_w^T [4, D, 16]: output g of word m of thread c at
+    K = 16 (m G + g) + 4 c + i (`turboquant.int8_operand_order`, G = 2 or 4 outputs per code byte)."""
     W: gl.constexpr = KBM // 4
-    o0, o1 = gl.inline_asm_elementwise(_K4_I8_ASM, "=r,=r,r,r", [_word_bytes(kc, BN, W), table],
-                                       dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+    if KEY_BITS == 4:
+        o0, o1 = gl.inline_asm_elementwise(_K4_I8_ASM, "=r,=r,r,r", [_word_bytes(kc, BN, W), table],
+                                           dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+        t = gl.join(o0, o1)
+        G: gl.constexpr = 2
+    else:
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_K3_I8_ASM, "=r,=r,=r,=r,r,r,r",
+                                                   [_word_bytes(kc, BN, W), _word_bytes(ks, BN, W), table],
+                                                   dtype=(gl.int8,) * 4, is_pure=True, pack=4)
+        t = gl.reshape(gl.join(gl.join(o0, o2), gl.join(o1, o3)), [BN, KBM, 4])
+        G: gl.constexpr = 4
     M: gl.constexpr = KBM // 16
-    y = gl.permute(gl.reshape(gl.join(o0, o1), [BN, 4, M, 4, 2]), (0, 2, 4, 1, 3))
+    y = gl.permute(gl.reshape(t, [BN, 4, M, 4, G]), (0, 2, 4, 1, 3))
     return gl.convert_layout(gl.permute(gl.reshape(y, [4, 16, HEAD_DIM]), (0, 2, 1)), KB8)
 
 
@@ -145,22 +161,34 @@ def _values_operand(vc, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _load_w(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
-            SLOT: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr,
+def _pages_w(bt_row, tile, seq_len):
+    """Warp w's page of tile `tile`: one block-table entry per warp (page 0 past the sequence, masked later).
+    Loaded two tiles ahead: every load of a tile's bytes waits for it."""
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, TOKL))
+    return gl.load(bt_row + tile * 4 + w, mask=(tile * 4 + w) * 16 < seq_len, other=0)
+
+
+@gluon.jit
+def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
+            KEY_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr,
             NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr):
-    """A tile's bytes, each warp its page: key code words [64, KBM/4] (`tq_gluon.key_layout`), value code
-    words [64, D/8] (`value_layout`), the fp16 fields [4, 16] in the score columns' layout."""
-    # Warp w's 16 tokens are page w of the tile: one block-table entry per warp (page 0 past the sequence).
-    pw_l: gl.constexpr = gl.SliceLayout(1, TOKL)
-    w = gl.arange(0, 4, layout=pw_l)
-    pw = gl.load(bt_row + tile * 4 + w, mask=(tile * 4 + w) * 16 < seq_len, other=0)
+    """A tile's bytes, each warp its page `pw` (`_pages_w`): key code words [64, KBM/4] (`tq_gluon.key_layout`;
+    3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words [64, D/8]
+    (`value_layout`), the fp16 fields [4, 16] in the score columns' layout."""
     base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # the page's first 32-bit word
     # keys: rows r, r + 8 of the warp's page, a quarter row per thread
     kb3 = gl.convert_layout(base, gl.SliceLayout(1, gl.SliceLayout(2, K3_LAYOUT)))
     kr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, K3_LAYOUT)))
     kw = gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, K3_LAYOUT)))
-    kc = gl.load(cache32_ptr + kb3[:, None, None] + (kr * (KBM // 4))[None, :, None] + kw[None, None, :])
-    kc = gl.reshape(kc, [BN, KBM // 4])
+    kc = gl.reshape(gl.load(cache32_ptr + kb3[:, None, None] + (kr * (KBM // 4))[None, :, None] + kw[None, None, :]),
+                    [BN, KBM // 4])
+    ks = 0
+    if KEY_BITS == 3:
+        # word c of the 2-bit row goes with 1-bit word c mod W, shifted by c // W (W = D/32 words per row)
+        W1: gl.constexpr = HEAD_DIM // 32
+        ks = gl.load(cache32_ptr + (kb3 + 4 * KBM)[:, None, None] + (kr * W1)[None, :, None]
+                     + (kw % W1)[None, None, :]) >> (kw // W1)[None, None, :]
+        ks = gl.reshape(ks, [BN, KBM // 4])
     # values: tokens 2c, 2c + 1, 8 + 2c, 9 + 2c of the warp's page, thread g's D/16 bytes
     vb3 = gl.convert_layout(base, gl.SliceLayout(1, gl.SliceLayout(2, V3_LAYOUT)))
     vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, V3_LAYOUT)))
@@ -174,16 +202,16 @@ def _load_w(cache32_ptr, cache16_ptr, bt_row, tile, seq_len, kvh, NUM_KV: gl.con
     knorm = gl.load(f).to(gl.float16, bitcast=True).to(gl.float32)
     vscale = gl.load(f + 16 * (NF - 2)).to(gl.float16, bitcast=True).to(gl.float32)
     vzero = gl.load(f + 16 * (NF - 1)).to(gl.float16, bitcast=True).to(gl.float32)
-    return kc, vc, knorm, vscale, vzero
+    return kc, ks, vc, knorm, vscale, vzero
 
 
 @gluon.jit
-def _tile(kc, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
-          HEAD_DIM: gl.constexpr, KBM: gl.constexpr, EDGE: gl.constexpr):
+def _tile(kc, ks, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
+          HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, KBM: gl.constexpr, EDGE: gl.constexpr):
     """One 64-token tile, each warp its 16 tokens: loads, S_w, exact online softmax, O_w^T += V_w^T P_w^T.
     EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
     path). The tile's bytes come from `_load_w`, issued one tile ahead."""
-    s = mma_v2(q3, _keys_operand(kc, table, BN, KBM, HEAD_DIM), gl.zeros([4, 16, BN // 4], gl.int32, MMA))
+    s = mma_v2(q3, _keys_operand(kc, ks, table, BN, KBM, HEAD_DIM, KEY_BITS), gl.zeros([4, 16, BN // 4], gl.int32, MMA))
     # rows h (hi bytes) and 8 + h (lo bytes) are in the same thread
     hi, lo = gl.split(gl.permute(gl.reshape(s, [4, 2, 8, 16]), (0, 2, 3, 1)))
     x = gl.convert_layout((hi * Q_LO_INT + lo).to(gl.float32), XL)  # [4, 8 heads, 16 tokens]
@@ -218,9 +246,9 @@ def _tq_warp_kernel(
     part_lse_ptr, q_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
-    KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr,
-    K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr, I8_SCALE: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    KEY_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr,
+    NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr, I8_SCALE: gl.constexpr,
+    PAGES_AHEAD: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
@@ -253,21 +281,29 @@ def _tq_warp_kernel(
     l_part = gl.zeros([4, 8, 16], gl.float32, layout=XL)
     z_part = gl.zeros([4, 8, 16], gl.float32, layout=XL)
     acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
-    ld = (cache32_ptr, cache16_ptr, bt_row)
-    kc, vc, knorm, vscale, vzero = _load_w(*ld, tile_lo, seq_len, kvh, NUM_KV, HEAD_DIM, SLOT, KBM, KB, VBM, VB, NF,
-                                           K3_LAYOUT, V3_LAYOUT)
+    # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
+    # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
+    # (NOTES_TQ.md, tenth session).
+    kc, ks, vc, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len), kvh,
+                                               NUM_KV, HEAD_DIM, SLOT, KEY_BITS, KBM, KB, VBM, VB, NF, K3_LAYOUT,
+                                               V3_LAYOUT)
     # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
     table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
+    pw = _pages_w(bt_row, tile_lo + 1, seq_len)
     for tile in range(tile_lo, tile_hi):
-        nkc, nvc, nknorm, nvscale, nvzero = _load_w(*ld, tile + 1, seq_len, kvh, NUM_KV, HEAD_DIM, SLOT, KBM, KB,
-                                                    VBM, VB, NF, K3_LAYOUT, V3_LAYOUT)
+        if PAGES_AHEAD == 1:
+            pw = _pages_w(bt_row, tile + 1, seq_len)
+        nkc, nks, nvc, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT,
+                                                         KEY_BITS, KBM, KB, VBM, VB, NF, K3_LAYOUT, V3_LAYOUT)
+        if PAGES_AHEAD == 2:
+            pw = _pages_w(bt_row, tile + 2, seq_len)
         if (tile * BN < start) | (tile * BN + BN > seq_len):
-            m_i, l_part, z_part, acc = _tile(kc, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc,
-                                             m_i, l_part, z_part, acc, HEAD_DIM, KBM, True)
+            m_i, l_part, z_part, acc = _tile(kc, ks, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
+                                             qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, KBM, True)
         else:
-            m_i, l_part, z_part, acc = _tile(kc, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc,
-                                             m_i, l_part, z_part, acc, HEAD_DIM, KBM, False)
-        kc, vc, knorm, vscale, vzero = nkc, nvc, nknorm, nvscale, nvzero
+            m_i, l_part, z_part, acc = _tile(kc, ks, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
+                                             qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, KBM, False)
+        kc, ks, vc, knorm, vscale, vzero = nkc, nks, nvc, nknorm, nvscale, nvzero
 
     # merge the 4 warps: each its own max, sums and O^T
     m_f = gl.max(m_i, 0)  # [8]
@@ -311,31 +347,42 @@ def _tq_warp_kernel(
                  (o / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
 
 
+FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc")
+"""Formats it decodes: centroid keys (4- or 3-bit) with 4-bit values."""
+REGISTERS = {"turboquant_4bit_nc": {128: 155, 64: 110}, "turboquant_k3v4_nc": {128: 156, 64: 123}}
+"""Registers per thread of the sm_90 compile by format and head_dim (Triton 3.6, no cap, pages two tiles ahead;
+`bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n 64 --per-warp`); `TQGluonConfig.maxnreg` overrides."""
+
+
+def smem_bytes(head_dim: int) -> int:
+    """Shared memory of one program (the compiler's scratch for layout conversions; same compile)."""
+    return 128 * head_dim
+
+
 def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
-                   sinks: torch.Tensor | None, splits: int, out: torch.Tensor, maxnreg: int | None = None) -> torch.Tensor:
-    """Run the prototype (and the shared merge when split); arguments as `tq_gluon.decode_tq_gluon`. At
-    head_dim 128 it compiles to 152 registers (3 programs per SM), to 128 with no spills under a cap of 128
-    (`maxnreg`; sm_90 SASS, `bench/sass_mix.py`-style count: 341 instructions per thread on a common tile
-    against 312 for `tq_gluon`'s warpgroup kernel, 328 uncapped; head_dim 64: 110 registers, 230 against
-    232)."""
+                   sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg) -> torch.Tensor:
+    """Run the kernel (and the shared merge when split); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
+    `TQGluonConfig` (maxnreg, pages_ahead)."""
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
     from kvpolicy.kernels.tq_gluon import TQGluonConfig
 
-    if fmt != "turboquant_4bit_nc":
-        raise ValueError(f"the per-warp prototype decodes turboquant_4bit_nc only, not {fmt}")
+    if fmt not in FORMATS:
+        raise ValueError(f"the per-warp kernel decodes {' and '.join(FORMATS)} only, not {fmt}")
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = cache.shape[1]
     cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, TQGluonConfig(block_n=64))
-    cx = {k: cx[k] for k in ("GROUP", "NUM_KV", "HEAD_DIM", "SLOT", "KBM", "KB", "VBM", "VB", "NF", "I8_SCALE")}
+    cx = {k: cx[k] for k in ("GROUP", "NUM_KV", "HEAD_DIM", "SLOT", "KEY_BITS", "KBM", "KB", "VBM", "VB", "NF",
+                             "I8_SCALE")}
     part_out, part_lse = split_partials(out, splits)
     _tq_warp_kernel[(num_kv_heads, splits, batch)](
         q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), **cx, K3_LAYOUT=key_layout3(cx["KBM"]), V3_LAYOUT=value_layout3(head_dim), HAS_WINDOW=sliding_window is not None,
+        out.stride(1), **cx, K3_LAYOUT=key_layout3(cx["KBM"]), V3_LAYOUT=value_layout3(head_dim),
+        PAGES_AHEAD=cfg.pages_ahead, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1:
         launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)
     return out

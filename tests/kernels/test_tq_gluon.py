@@ -102,22 +102,39 @@ def test_gluon_routing_says_why(device: str) -> None:
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
 @pytest.mark.parametrize("d, hq", [(128, 32), (64, 64), (128, 8)])
 @pytest.mark.parametrize("window, sinks, splits", [(None, False, 1), (None, True, 3), (48, True, 1),
                                                    (200, False, 2), (None, False, None)])
-@pytest.mark.parametrize("maxnreg", [None, 128])
-def test_per_warp_prototype_matches_reference(d: int, hq: int, window, sinks: bool, splits, maxnreg,
-                                              device: str, monkeypatch) -> None:
-    """PROTOTYPE (branch proto/tq-warp-mma): `tq_warp`'s per-warp mma.sync kernel against the float64
-    reference over the int8 centroids, turboquant_4bit_nc, the shapes of the warpgroup kernel's test."""
+@pytest.mark.parametrize("maxnreg, ahead", [(None, 2), (128, 2), (None, 1)])
+def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool, splits, maxnreg,
+                                           ahead: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tq_warp`'s per-warp mma.sync kernel against the float64 reference over the int8 centroids, the shapes
+    of the warpgroup kernel's test, with and without a register cap, pages loaded one or two tiles ahead."""
     from kvpolicy.kernels import tq_gluon
 
-    monkeypatch.setattr(tq_gluon, "default_config",
-                        lambda fmt, head_dim: tq_gluon.TQGluonConfig(block_n=64, per_warp=True, maxnreg=maxnreg))
-    out, ref, _ = run_planar("turboquant_4bit_nc", device, bsz=4, hq=hq, hkv=8, d=d, seq=(1, 37, 300, 1025),
-                             splits=splits, window=window, sinks=sinks)
+    cfg = tq_gluon.TQGluonConfig(block_n=64, per_warp=True, maxnreg=maxnreg, pages_ahead=ahead)
+    monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: cfg)
+    out, ref, _ = run_planar(fmt, device, bsz=4, hq=hq, hkv=8, d=d, seq=(1, 37, 300, 1025), splits=splits,
+                             window=window, sinks=sinks)
     assert not out.isnan().any(), "unwritten output or a read of an unattended (NaN) slot"
     assert _rel(out, ref) <= TOL_SAME_CACHE
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_gluon_pages_one_tile_ahead_matches_reference(fmt: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TQGluonConfig.pages_ahead` 1 (the block table read one tile ahead, as before) in the warpgroup kernel."""
+    from kvpolicy.kernels import tq_gluon
+
+    cfg = tq_gluon.TQGluonConfig(block_n=64, pages_ahead=1)
+    monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: cfg)
+    for splits in (1, 3):
+        out, ref, _ = run_planar(fmt, device, bsz=4, hq=32, hkv=8, d=128, seq=(1, 37, 300, 1025), splits=splits,
+                                 window=200 if splits == 1 else None, sinks=True)
+        assert not out.isnan().any()
+        assert _rel(out, ref) <= TOL_SAME_CACHE, f"splits {splits}"
 
 
 @pytest.mark.parametrize("fmt", GLUON_FORMATS)
@@ -153,3 +170,20 @@ def test_gluon_needle_long_context(fmt: str, context: int) -> None:
     retrieved, bits = gpu_needle(fmt, context, allocate_tq_planar_cache, kernel="gluon")
     print(f"needle {fmt} gluon {context}: retrieved {retrieved:.2f} bits {bits:.3f}")
     assert retrieved >= 0.95, f"{fmt} at {context}: {retrieved:.2f} of heads ({bits:.3f} of bits)"
+
+
+@pytest.mark.parametrize("fmt", GLUON_FORMATS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_default_config_sends_only_per_warp_formats_to_the_per_warp_kernel(fmt: str, d: int) -> None:
+    """The per-warp kernel decodes 4-bit values only: a default that routed another format there would fail on
+    the GPU alone. Its configs are 64-token tiles, and the resident-program count (which sizes the splits)
+    comes from its own register table."""
+    from kvpolicy.kernels import tq_gluon, tq_warp
+
+    cfg = tq_gluon.default_config(fmt, d)
+    assert cfg.per_warp == (fmt in tq_warp.FORMATS)
+    assert cfg.pages_ahead in (1, 2)
+    if cfg.per_warp:
+        assert cfg.block_n == 64 and d in tq_warp.REGISTERS[fmt]
+        regs = cfg.maxnreg or tq_warp.REGISTERS[fmt][d]
+        assert regs <= 128, "more than 128 registers: fewer than 4 programs per SM"

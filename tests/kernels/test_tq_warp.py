@@ -1,4 +1,4 @@
-"""PROTOTYPE (branch proto/tq-warp-mma): the index algebra of `kernels/tq_warp.py` on the CPU. Gluon does not
+"""The index algebra of `kernels/tq_warp.py` on the CPU. Gluon does not
 run under the interpreter, so the value operand's construction is replayed here with the same tensor
 operations (join = stack on a new last axis) on the emulated PTX program, and compared with the codes it
 must hold; the kernel itself is tested on the GPU (test_tq_gluon.py -k per_warp)."""

@@ -2,7 +2,9 @@
 # Device calls of session 18 (after `. bench/device_setup.sh`; logs also go to OUTDIR):
 #   test:    GPU tests of the per-warp kernel and of the block table two tiles ahead, then the probe of the
 #            per-warp kernel with one or two tiles of bytes ahead on the gpt-oss layer;
-#   profile: Nsight Compute profiles at 128k (PROFILE_FORMATS, default turboquant_4bit_nc_gl).
+#   profile: Nsight Compute profiles at 128k (PROFILE_FORMATS, default turboquant_4bit_nc_gl);
+#   final:   the evidence run (all rows, batch 8), the Gluon rows at batch 1, and the GPU tests
+#            (set KVP_COMMIT to the commit measured).
 set -u
 out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
@@ -12,6 +14,17 @@ if [ "$2" = test ]; then
   timeout 200 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_4bit_nc,turboquant_k3v4_nc \
     --contexts 131072 --batch 1,8 --block-n 64 --per-warp 1 --pages-ahead 2 --bytes-ahead 1,2 --split-scale 1,2 \
     --out "$out/probe_gptoss_bytes.json" 2>&1 | grep -v picked > "$out/probe.log"; cat "$out/probe.log"
+elif [ "$2" = final ]; then
+  gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
+  timeout 150 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
+    --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
+    --out "$out/results_decode_h200_evidence_tq11.json" > "$out/results_decode_h200_evidence_tq11.log" 2>&1
+  grep -E "gl: |TB/s" "$out/results_decode_h200_evidence_tq11.log" | tail -24
+  timeout 80 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
+    --skip-accuracy --out "$out/results_decode_h200_tq_gluon11.json" > "$out/results_decode_h200_tq_gluon11.log" 2>&1
+  grep -E "gl: " "$out/results_decode_h200_tq_gluon11.log" | tail -12
+  timeout 330 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
+    -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"
 else
   for g in llama-3.1-8b gpt-oss-20b; do
     for pw in "" --per-warp; do

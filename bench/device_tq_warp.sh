@@ -3,10 +3,11 @@
 #   test:    GPU tests of the per-warp kernel and of the block table two tiles ahead, then the probe of the
 #            per-warp kernel with one or two tiles of bytes ahead on the gpt-oss layer;
 #   profile: Nsight Compute profiles at 128k (PROFILE_FORMATS, default turboquant_4bit_nc_gl);
-#   final:   the evidence run (all rows, batch 8), the Gluon rows at batch 1, and the GPU tests
-#            (set KVP_COMMIT to the commit measured).
+#   final:   the evidence run (all rows, batch 8), the Gluon rows at batch 1, and k8v4 with the block
+#            table one or two tiles ahead (set KVP_COMMIT to the commit measured);
+#   tests:   the GPU tests of the TurboQuant kernels and of the runtime (293 tests, about 6 minutes).
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|tests}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$2" = test ]; then
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp or pages_one_tile" -p no:cacheprovider \
@@ -16,14 +17,18 @@ if [ "$2" = test ]; then
     --out "$out/probe_gptoss_bytes.json" 2>&1 | grep -v picked > "$out/probe.log"; cat "$out/probe.log"
 elif [ "$2" = final ]; then
   gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
-  timeout 150 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
+  timeout 330 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
     --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
     --out "$out/results_decode_h200_evidence_tq11.json" > "$out/results_decode_h200_evidence_tq11.log" 2>&1
   grep -E "gl: |TB/s" "$out/results_decode_h200_evidence_tq11.log" | tail -24
   timeout 80 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
     --skip-accuracy --out "$out/results_decode_h200_tq_gluon11.json" > "$out/results_decode_h200_tq_gluon11.log" 2>&1
   grep -E "gl: " "$out/results_decode_h200_tq_gluon11.log" | tail -12
-  timeout 330 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
+  timeout 60 python3 bench/probe_tq_gluon.py --formats turboquant_k8v4 --contexts 131072 --batch 1,8 \
+    --block-n 64,128 --pages-ahead 1,2 --split-scale 1,2 --out "$out/probe_k8v4_pages.json" 2>&1 | grep -v picked > "$out/probe.log"
+  tail -12 "$out/probe.log"
+elif [ "$2" = tests ]; then
+  timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"
 else
   for g in llama-3.1-8b gpt-oss-20b; do

@@ -59,3 +59,16 @@ def test_evidence_takes_fp8_from_the_fastest_kernel_and_says_so():
     # without the Gluon row (another GPU), the Triton row
     block = bench_decode.evidence_block(records, [s for s in summary if s["column"] != "fp8_gl"], log, "h200")
     assert block["kernels"][0]["fits"]["fp8"]["slope_ns_per_token"] == 4.8 and "from the" not in block["source"]
+
+
+def test_targets_judge_the_gluon_turboquant_rows_against_their_own_fp8_family():
+    """The Gluon TurboQuant rows are our fastest kernels: their slope targets must be printed, and k8v4's
+    limit is the FP8 ratio of the same family (fp8_gl for the Gluon row, fp8 for the Triton row) + 0.05."""
+    summary = [dict(geometry="g", batch=8, column=c, slope_ratio_vs_sdpa_cudnn=r)
+               for c, r in (("fp8", 0.66), ("fp8_gl", 0.53), ("turboquant_k8v4", 0.70), ("turboquant_k8v4_gl", 0.60),
+                            ("turboquant_4bit_nc_gl", 0.34), ("turboquant_3bit_nc_gl", 0.41))]
+    lines = bench_decode.targets([], summary, {})
+    assert "g b=8 turboquant_k8v4: slope 0.700x cuDNN BF16 (target <= 0.710) MET" in lines
+    assert "g b=8 turboquant_k8v4_gl: slope 0.600x cuDNN BF16 (target <= 0.580) MISSED" in lines
+    assert "g b=8 turboquant_4bit_nc_gl: slope 0.340x cuDNN BF16 (target <= 0.350) MET" in lines
+    assert "g b=8 turboquant_3bit_nc_gl: slope 0.410x cuDNN BF16 (target <= 0.300) MISSED" in lines

@@ -5,6 +5,7 @@
 #   profile: Nsight Compute profiles at 128k (PROFILE_FORMATS, default turboquant_4bit_nc_gl);
 #   final:   the evidence run (all rows, batch 8), the Gluon rows at batch 1, and k8v4 with the block
 #            table one or two tiles ahead (set KVP_COMMIT to the commit measured);
+#   v3:      GPU tests of the per-warp kernel with 3-bit values, then the probe of 3bit_nc in both kernels;
 #   tests:   the GPU tests of the TurboQuant kernels and of the runtime (293 tests, about 6 minutes).
 set -u
 out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|tests}
@@ -27,6 +28,12 @@ elif [ "$2" = final ]; then
   timeout 60 python3 bench/probe_tq_gluon.py --formats turboquant_k8v4 --contexts 131072 --batch 1,8 \
     --block-n 64,128 --pages-ahead 1,2 --split-scale 1,2 --out "$out/probe_k8v4_pages.json" 2>&1 | grep -v picked > "$out/probe.log"
   tail -12 "$out/probe.log"
+elif [ "$2" = v3 ]; then
+  timeout 200 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp and 3bit" -p no:cacheprovider \
+    > "$out/pytest.log" 2>&1; tail -5 "$out/pytest.log"
+  timeout 240 python3 bench/probe_tq_gluon.py --formats turboquant_3bit_nc --contexts 131072 --batch 1,8 \
+    --block-n 64 --per-warp 0,1 --maxnreg 0,128 --pages-ahead 2 --split-scale 1,2 \
+    --out "$out/probe_3bit_per_warp.json" 2>&1 | grep -v picked > "$out/probe.log"; cat "$out/probe.log"
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

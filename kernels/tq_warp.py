@@ -36,7 +36,7 @@ from kvpolicy.kernels.tq_gluon import (
     _word_bytes,
     kernel_constexprs,
 )
-from kvpolicy.kernels.turboquant import SUBNORMAL_UNIT, render_ptx
+from kvpolicy.kernels.turboquant import SELECT, SUBNORMAL_UNIT, render_ptx
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -74,6 +74,33 @@ def v_pair_program() -> list:
 _V_PAIR_ASM = gl.constexpr(render_ptx(v_pair_program()))
 
 
+def v3_pair_program(pairs: int) -> list:
+    """3-bit values of two tokens: $(8 pairs) / $(8 pairs + 1) = the 2-bit plane words of token a / b (byte i,
+    bits 2s and 2s + 1: the low bits of quarter s), $(8 pairs + 2) / + 3 = their 1-bit words shifted so that
+    bit 2s of byte i is the high bit of the same code (`_load_w`) -> 8 words per byte pair (`pairs` = 2: bytes
+    0-3; 1: bytes 0, 1) of fp16 subnormal pairs (token a low half, token b high half), 4^s x code x 2^-24:
+    output (q 2 + tt) 4 + s is quarter s of byte 2 q + tt. Per byte pair two PRMT and three shifts; then
+    per output one select (low bits from the 2-bit word, the high bit from the 1-bit word moved up by 2)
+    and one mask, as `turboquant.v3_subnormal_program`."""
+    a2, b2, a1, b1 = (f"${8 * pairs + i}" for i in range(4))
+    prog = []
+    for q, sel in list(((0, 0x5410), (1, 0x7632)))[:pairs]:
+        prog += [("prmt", "p", a2, b2, sel), ("prmt", "h", a1, b1, sel), ("shr", "p1", "p", 8),
+                 ("shl", "h0", "h", 2),  # byte 2q's high bits from 2s to 2s + 2
+                 ("shr", "h1", "h", 6)]  # byte 2q + 1's: bit 8 + 2s to 2s + 2 (a left shift would lose bit 30)
+        for tt, (lo, hi) in ((0, ("p", "h0")), (1, ("p1", "h1"))):
+            for s_ in range(4):
+                prog += [("lop3", "t", lo, hi, (0x3 << (2 * s_)) * 0x00010001, SELECT),
+                         ("and", f"${(q * 2 + tt) * 4 + s_}", "t", (0x7 << (2 * s_)) * 0x00010001)]
+    return prog
+
+
+_V3_PAIR_ASM_128 = gl.constexpr(render_ptx(v3_pair_program(2)))
+_V3_PAIR_ASM_64 = gl.constexpr(render_ptx(v3_pair_program(1)))
+_V3_CONSTRAINTS_128 = gl.constexpr("=r," * 16 + "r,r,r,r")
+_V3_CONSTRAINTS_64 = gl.constexpr("=r," * 8 + "r,r,r,r")
+
+
 def value_layout(head_dim: int) -> gl.DistributedLinearLayout:
     """Register layout of a tile's value code words [64, D/8]: thread (g, c) of warp w holds words
     [E g, E g + E) (E = D/64: its 8 or 4 bytes) of tokens 16 w + {2c, 2c + 1, 8 + 2c, 9 + 2c}, the tokens of
@@ -103,12 +130,32 @@ def value_layout3(head_dim: int) -> gl.DistributedLinearLayout:
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, head_dim // 8])
 
 
-def dim_of_row(head_dim: int) -> torch.Tensor:
-    """The head dim at each row of O^T: row 16 t + 8 u + g holds dim u D/2 + g D/16 + t (thread g's bytes
-    [g D/16, (g + 1) D/16), low nibbles then high)."""
+def layouts(key_bytes: int, head_dim: int, value_bits: int) -> dict:
+    """The kernel's load layouts (constexprs K3_LAYOUT, V3_LAYOUT): 3-bit values are 8 words per token, one per
+    thread g, at any head_dim (`_load_w`)."""
+    return dict(K3_LAYOUT=key_layout3(key_bytes), V3_LAYOUT=value_layout3(head_dim if value_bits == 4 else 64))
+
+
+def dim_of_row(head_dim: int, value_bits: int = 4) -> torch.Tensor:
+    """The head dim at each row of O^T: row 16 t + 8 u + g holds, for 4-bit values, dim u D/2 + g D/16 + t
+    (thread g's bytes [g D/16, (g + 1) D/16), low nibbles then high); for 3-bit values, with t = s Q + q
+    (Q = D/64), dim s D/4 + g D/32 + 2 q + u: quarter s of byte 2 q + u of thread g's D/32 bytes of the
+    2-bit plane."""
     m = torch.arange(head_dim)
     t, u, g = m // 16, (m // 8) % 2, m % 8
+    if value_bits == 3:
+        q = head_dim // 64
+        return (t // q) * (head_dim // 4) + g * (head_dim // 32) + 2 * (t % q) + u
     return u * (head_dim // 2) + g * (head_dim // 16) + t
+
+
+def value_unit(head_dim: int, value_bits: int = 4) -> torch.Tensor:
+    """What a code of each row of O^T was multiplied by to be an fp16 subnormal: 16^u (4-bit) or 4^s (3-bit)
+    x 2^-24; the epilogue divides it out."""
+    m = torch.arange(head_dim)
+    if value_bits == 3:
+        return 4.0 ** ((m // 16) // (head_dim // 64)) * SUBNORMAL_UNIT
+    return 16.0 ** ((m // 8) % 2) * SUBNORMAL_UNIT
 
 
 @gluon.jit
@@ -161,6 +208,33 @@ def _values_operand(vc, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
+def _values_operand3(v2, v1, HEAD_DIM: gl.constexpr):
+    """3-bit value words [64, 8] (`value_layout3(64)` flattened; `_load_w`) -> the fp16 A operand V_w^T [4, D, 16]
+    of exact subnormals (4^s x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row(D, 3)`, column = token
+    8 r8 + 2 c + hh."""
+    a2, b2 = gl.split(gl.permute(gl.reshape(v2, [32, 2, 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
+    a1, b1 = gl.split(gl.permute(gl.reshape(v1, [32, 2, 8]), (0, 2, 1)))
+    if HEAD_DIM == 128:
+        o = gl.inline_asm_elementwise(_V3_PAIR_ASM_128, _V3_CONSTRAINTS_128, [a2, b2, a1, b1],
+                                      dtype=(gl.int32,) * 16, is_pure=True, pack=1)
+        # output (q 2 + tt) 4 + s; the nested joins give the axes (hh, s0, s1, tt, q) after the pair and g axes
+        y0 = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
+                     gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
+        y1 = gl.join(gl.join(gl.join(_halves(o[8]), _halves(o[9])), gl.join(_halves(o[10]), _halves(o[11]))),
+                     gl.join(gl.join(_halves(o[12]), _halves(o[13])), gl.join(_halves(o[14]), _halves(o[15]))))
+        y = gl.reshape(gl.join(y0, y1), [4, 2, 4, 8, 2, 2, 2, 2, 2])  # (w, r8, c, g, hh, s0, s1, tt, q)
+        y = gl.permute(y, (0, 6, 5, 8, 7, 3, 1, 2, 4))  # (w, s1, s0, q, tt, g, r8, c, hh)
+    else:
+        o = gl.inline_asm_elementwise(_V3_PAIR_ASM_64, _V3_CONSTRAINTS_64, [a2, b2, a1, b1],
+                                      dtype=(gl.int32,) * 8, is_pure=True, pack=1)
+        y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
+                    gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
+        y = gl.reshape(y, [4, 2, 4, 8, 2, 2, 2, 2])  # (w, r8, c, g, hh, s0, s1, tt)
+        y = gl.permute(y, (0, 6, 5, 7, 3, 1, 2, 4))  # (w, s1, s0, tt, g, r8, c, hh)
+    return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, 16]), VA)
+
+
+@gluon.jit
 def _pages_w(bt_row, tile, seq_len):
     """Warp w's page of tile `tile`: one block-table entry per warp (page 0 past the sequence, masked later).
     Loaded two tiles ahead: every load of a tile's bytes waits for it."""
@@ -170,11 +244,12 @@ def _pages_w(bt_row, tile, seq_len):
 
 @gluon.jit
 def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
-            KEY_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr,
-            NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr):
+            KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
+            VB: gl.constexpr, NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr):
     """A tile's bytes, each warp its page `pw` (`_pages_w`): key code words [64, KBM/4] (`tq_gluon.key_layout`;
-    3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words [64, D/8]
-    (`value_layout`), the fp16 fields [4, 16] in the score columns' layout."""
+    3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words (4-bit:
+    [64, D/8], `value_layout`; 3-bit: [64, 8], a word of the 2-bit plane and one of the 1-bit plane per
+    thread and token, else 0), the fp16 fields [4, 16] in the score columns' layout."""
     base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # the page's first 32-bit word
     # keys: rows r, r + 8 of the warp's page, a quarter row per thread
     kb3 = gl.convert_layout(base, gl.SliceLayout(1, gl.SliceLayout(2, K3_LAYOUT)))
@@ -192,9 +267,25 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     # values: tokens 2c, 2c + 1, 8 + 2c, 9 + 2c of the warp's page, thread g's D/16 bytes
     vb3 = gl.convert_layout(base, gl.SliceLayout(1, gl.SliceLayout(2, V3_LAYOUT)))
     vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, V3_LAYOUT)))
-    vw = gl.arange(0, VBM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V3_LAYOUT)))
-    vc = gl.load(cache32_ptr + (vb3 + 4 * KB)[:, None, None] + (vr * (VBM // 4))[None, :, None] + vw[None, None, :])
-    vc = gl.reshape(vc, [BN, VBM // 4])
+    vh = 0
+    if V_BITS == 4:
+        vw = gl.arange(0, VBM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V3_LAYOUT)))
+        vc = gl.load(cache32_ptr + (vb3 + 4 * KB)[:, None, None] + (vr * (VBM // 4))[None, :, None]
+                     + vw[None, None, :])
+        vc = gl.reshape(vc, [BN, VBM // 4])
+    else:
+        # thread g: the D/32 bytes of the 2-bit plane from byte j = g D/32 (word j / 4, from its byte j % 4),
+        # and the 1-bit word of the same codes shifted into place (`tq_gluon._plane_words`), both moved down
+        # by j % 4 bytes (D 64: threads g and g + 1 share a word). Signed shifts: the bits above are unused.
+        WV: gl.constexpr = HEAD_DIM // 32
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, V3_LAYOUT))) * (HEAD_DIM // 32)
+        c = j // 4
+        vc = gl.load(cache32_ptr + (vb3 + 4 * KB)[:, None, None] + (vr * (VBM // 4))[None, :, None]
+                     + c[None, None, :]) >> (8 * (j % 4))[None, None, :]
+        vh = gl.load(cache32_ptr + (vb3 + 4 * (KB + VBM))[:, None, None] + (vr * WV)[None, :, None]
+                     + (c % WV)[None, None, :]) >> (c // WV + 8 * (j % 4))[None, None, :]
+        vc = gl.reshape(vc, [BN, 8])
+        vh = gl.reshape(vh, [BN, 8])
 
     # fields of the tokens in the score's columns (planes of 16 halves per page)
     tk = gl.arange(0, 16, layout=gl.SliceLayout(0, TOKL))
@@ -202,12 +293,13 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     knorm = gl.load(f).to(gl.float16, bitcast=True).to(gl.float32)
     vscale = gl.load(f + 16 * (NF - 2)).to(gl.float16, bitcast=True).to(gl.float32)
     vzero = gl.load(f + 16 * (NF - 1)).to(gl.float16, bitcast=True).to(gl.float32)
-    return kc, ks, vc, knorm, vscale, vzero
+    return kc, ks, vc, vh, knorm, vscale, vzero
 
 
 @gluon.jit
-def _tile(kc, ks, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
-          HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, KBM: gl.constexpr, EDGE: gl.constexpr):
+def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
+          HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
+          EDGE: gl.constexpr):
     """One 64-token tile, each warp its 16 tokens: loads, S_w, exact online softmax, O_w^T += V_w^T P_w^T.
     EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
     path). The tile's bytes come from `_load_w`, issued one tile ahead."""
@@ -236,7 +328,10 @@ def _tile(kc, ks, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
     z_part = z_part * alpha[:, :, None] + p * vzero[:, None, :]
     pb = gl.convert_layout(gl.permute((p * vscale[:, None, :]).to(gl.float16), (0, 2, 1)), PB)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
-    acc = mma_v2(_values_operand(vc, HEAD_DIM), pb, acc)
+    if V_BITS == 4:
+        acc = mma_v2(_values_operand(vc, HEAD_DIM), pb, acc)
+    else:
+        acc = mma_v2(_values_operand3(vc, vh, HEAD_DIM), pb, acc)
     return m_new, l_part, z_part, acc
 
 
@@ -246,8 +341,8 @@ def _tq_warp_kernel(
     part_lse_ptr, q_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
-    KEY_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr,
-    NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr, I8_SCALE: gl.constexpr,
+    KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
+    VB: gl.constexpr, NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr, I8_SCALE: gl.constexpr,
     PAGES_AHEAD: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
@@ -284,26 +379,29 @@ def _tq_warp_kernel(
     # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
     # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
     # (NOTES_TQ.md, tenth session).
-    kc, ks, vc, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len), kvh,
-                                               NUM_KV, HEAD_DIM, SLOT, KEY_BITS, KBM, KB, VBM, VB, NF, K3_LAYOUT,
-                                               V3_LAYOUT)
+    kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len),
+                                                   kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
+                                                   NF, K3_LAYOUT, V3_LAYOUT)
     # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
     table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
     pw = _pages_w(bt_row, tile_lo + 1, seq_len)
     for tile in range(tile_lo, tile_hi):
         if PAGES_AHEAD == 1:
             pw = _pages_w(bt_row, tile + 1, seq_len)
-        nkc, nks, nvc, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT,
-                                                         KEY_BITS, KBM, KB, VBM, VB, NF, K3_LAYOUT, V3_LAYOUT)
+        nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
+                                                              SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF,
+                                                              K3_LAYOUT, V3_LAYOUT)
         if PAGES_AHEAD == 2:
             pw = _pages_w(bt_row, tile + 2, seq_len)
         if (tile * BN < start) | (tile * BN + BN > seq_len):
-            m_i, l_part, z_part, acc = _tile(kc, ks, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
-                                             qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, KBM, True)
+            m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
+                                             qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
+                                             True)
         else:
-            m_i, l_part, z_part, acc = _tile(kc, ks, vc, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
-                                             qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, KBM, False)
-        kc, ks, vc, knorm, vscale, vzero = nkc, nks, nvc, nknorm, nvscale, nvzero
+            m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
+                                             qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
+                                             False)
+        kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     # merge the 4 warps: each its own max, sums and O^T
     m_f = gl.max(m_i, 0)  # [8]
@@ -319,8 +417,13 @@ def _tq_warp_kernel(
     t = rows // 16
     u = (rows // 8) % 2
     g = rows % 8
-    offs_d = u * (HEAD_DIM // 2) + g * (HEAD_DIM // 16) + t  # `dim_of_row`
-    unit = _UNSUB * gl.exp2(u.to(gl.float32) * -4.0)  # 16^u x 2^-24
+    if V_BITS == 4:
+        offs_d = u * (HEAD_DIM // 2) + g * (HEAD_DIM // 16) + t  # `dim_of_row`
+        unit = _UNSUB * gl.exp2(u.to(gl.float32) * -4.0)  # 1 / `value_unit`
+    else:
+        Q: gl.constexpr = HEAD_DIM // 64
+        offs_d = (t // Q) * (HEAD_DIM // 4) + g * (HEAD_DIM // 32) + 2 * (t % Q) + u
+        unit = _UNSUB * gl.exp2((t // Q).to(gl.float32) * -2.0)
     offs_h = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))
     h_mask = offs_h < GROUP
     q_head = kvh * GROUP + offs_h
@@ -347,9 +450,10 @@ def _tq_warp_kernel(
                  (o / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
 
 
-FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc")
-"""Formats it decodes: centroid keys (4- or 3-bit) with 4-bit values."""
-REGISTERS = {"turboquant_4bit_nc": {128: 155, 64: 110}, "turboquant_k3v4_nc": {128: 156, 64: 123}}
+FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+"""Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values."""
+REGISTERS = {"turboquant_4bit_nc": {128: 155, 64: 110}, "turboquant_k3v4_nc": {128: 156, 64: 123},
+             "turboquant_3bit_nc": {128: 155, 64: 124}}
 """Registers per thread of the sm_90 compile by format and head_dim (Triton 3.6, no cap, pages two tiles ahead;
 `bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n 64 --per-warp`); `TQGluonConfig.maxnreg` overrides."""
 
@@ -372,14 +476,14 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = cache.shape[1]
     cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, TQGluonConfig(block_n=64))
-    cx = {k: cx[k] for k in ("GROUP", "NUM_KV", "HEAD_DIM", "SLOT", "KEY_BITS", "KBM", "KB", "VBM", "VB", "NF",
-                             "I8_SCALE")}
+    cx = {k: cx[k] for k in ("GROUP", "NUM_KV", "HEAD_DIM", "SLOT", "KEY_BITS", "V_BITS", "KBM", "KB", "VBM", "VB",
+                             "NF", "I8_SCALE")}
     part_out, part_lse = split_partials(out, splits)
     _tq_warp_kernel[(num_kv_heads, splits, batch)](
         q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), **cx, K3_LAYOUT=key_layout3(cx["KBM"]), V3_LAYOUT=value_layout3(head_dim),
+        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"]),
         PAGES_AHEAD=cfg.pages_ahead, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))

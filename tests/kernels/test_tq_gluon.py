@@ -102,7 +102,7 @@ def test_gluon_routing_says_why(device: str) -> None:
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("d, hq", [(128, 32), (64, 64), (128, 8)])
 @pytest.mark.parametrize("window, sinks, splits", [(None, False, 1), (None, True, 3), (48, True, 1),
                                                    (200, False, 2), (None, False, None)])

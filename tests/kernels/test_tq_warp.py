@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpolicy.kernels.tq_reference import _pack_codes, emulate_ptx
-from kvpolicy.kernels.tq_warp import dim_of_row, v_pair_program
+from kvpolicy.kernels.tq_warp import dim_of_row, v3_pair_program, v_pair_program, value_unit
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -53,3 +53,62 @@ def test_values_operand_holds_each_tokens_codes_in_row_order(d: int) -> None:
     m = torch.arange(d)
     want = codes.reshape(4, 16, d)[:, :, dim_of_row(d)].permute(0, 2, 1) << (4 * ((m // 8) % 2))[None, :, None]
     assert torch.equal(y, want)
+
+
+def _load_w3(plane2: torch.Tensor, plane1: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_load_w`'s 3-bit value words from the cache rows' words (plane2 [T, d/16], plane1 [T, d/32]): thread g's
+    2-bit word and matching 1-bit word, both moved down by its first byte's offset in the word -> [T, 8]."""
+    j = torch.arange(8) * (d // 32)
+    c, w1 = j // 4, d // 32
+    return plane2[:, c] >> (8 * (j % 4)), plane1[:, c % w1] >> (c // w1 + 8 * (j % 4))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_v3_pair_program_places_each_code_at_four_to_the_quarter(d: int) -> None:
+    """Output (q 2 + tt) 4 + s holds the 3-bit code of quarter s of byte 2 q + tt of thread g's 2-bit bytes, token
+    a in the low half and token b in the high half, times 4^s: an exact fp16 subnormal (below 1024)."""
+    codes = torch.randint(0, 8, (2, d))
+    packed = _pack_codes(codes, 3)
+    plane2, plane1 = _words(packed[:, : d // 4]), _words(packed[:, d // 4 :])
+    v2, v1 = _load_w3(plane2, plane1, d)
+    pairs = d // 64
+    regs = emulate_ptx(v3_pair_program(pairs), {f"${8 * pairs}": v2[0], f"${8 * pairs + 1}": v2[1],
+                                                 f"${8 * pairs + 2}": v1[0], f"${8 * pairs + 3}": v1[1]})
+    for g in range(8):
+        for q in range(pairs):
+            for tt in range(2):
+                for s in range(4):
+                    out = int(regs[f"${(q * 2 + tt) * 4 + s}"][g])
+                    dim = s * d // 4 + g * d // 32 + 2 * q + tt
+                    assert out & 0xFFFF == int(codes[0, dim]) << (2 * s), (g, q, tt, s)
+                    assert out >> 16 == int(codes[1, dim]) << (2 * s), (g, q, tt, s)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int) -> None:
+    """`_values_operand3`'s steps on a tile of 3-bit value codes: element [w, m, k] of V_w^T is token 16 w + k's code
+    of dim `dim_of_row(d, 3)[m]` times 4^s, and `value_unit` undoes that factor."""
+    rows = dim_of_row(d, 3)
+    assert torch.equal(rows.sort().values, torch.arange(d))
+    codes = torch.randint(0, 8, (64, d))
+    packed = _pack_codes(codes, 3)
+    v2, v1 = _load_w3(_words(packed[:, : d // 4]), _words(packed[:, d // 4 :]), d)
+    pairs = d // 64
+    regs = emulate_ptx(v3_pair_program(pairs), {f"${8 * pairs}": v2[0::2], f"${8 * pairs + 1}": v2[1::2],
+                                                 f"${8 * pairs + 2}": v1[0::2], f"${8 * pairs + 3}": v1[1::2]})
+
+    def halves(o):  # `_halves`
+        return torch.stack([o & 0xFFFF, o >> 16], dim=-1)
+
+    h = [halves(regs[f"${i}"]) for i in range(8 * pairs)]
+    j = lambda x, y: torch.stack([x, y], dim=-1)  # noqa: E731  gl.join
+    eight = [j(j(j(h[i], h[i + 1]), j(h[i + 2], h[i + 3])), j(j(h[i + 4], h[i + 5]), j(h[i + 6], h[i + 7])))
+             for i in range(0, 8 * pairs, 8)]
+    if d == 128:
+        y = j(eight[0], eight[1]).reshape(4, 2, 4, 8, 2, 2, 2, 2, 2).permute(0, 6, 5, 8, 7, 3, 1, 2, 4)
+    else:
+        y = eight[0].reshape(4, 2, 4, 8, 2, 2, 2, 2).permute(0, 6, 5, 7, 3, 1, 2, 4)
+    y = y.reshape(4, d, 16)
+    want = codes.reshape(4, 16, d)[:, :, rows].permute(0, 2, 1)
+    scale = (value_unit(d, 3) * 2.0**24).round().to(torch.int64)  # 4^s per row
+    assert torch.equal(y, want * scale[None, :, None])

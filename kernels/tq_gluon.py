@@ -512,16 +512,21 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     - 4-bit values (4bit_nc, k3v4_nc): the per-warp kernel (`tq_warp`). gpt-oss layer 4bit_nc 220 us against
       248 for the warpgroup kernel, k3v4_nc 218 against 254; Llama layer 347 against 356 and 330 against 341.
       At batch 1 on the Llama layer it was 2-4 us slower (60 against 56-58 us).
+    - 3bit_nc at head_dim 128: the per-warp kernel, uncapped (155 registers, 3 programs per SM; under a cap
+      of 128 it spills): Llama layer 381 us against 392 (batch 1: 60 against 63). At head_dim 64 the
+      warpgroup kernel: gpt-oss 242 against 254.
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles (Llama layer 498 us against 568 for 64).
     - else 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for 128).
-    At head_dim 128, 64-token tiles are capped at 128 registers: 4 programs per SM, no spills. The block
-    table loads two tiles ahead (Llama 3bit_nc 392 us against 401, gpt-oss 242 against 251), except for
-    the per-warp k3v4_nc at head_dim 128, where the second tile's pages spill under the cap (330 us
-    against 357)."""
+    At head_dim 128, 64-token tiles are otherwise capped at 128 registers: 4 programs per SM, no spills.
+    The block table loads two tiles ahead (Llama 3bit_nc 392 us against 401, gpt-oss 242 against 251;
+    k8v4 422 against 448 and 247 against 264), except for the per-warp k3v4_nc at head_dim 128, where the
+    second tile's pages spill under the cap (330 us against 357)."""
     cap = 128 if head_dim >= 128 else None
     if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc"):
         return TQGluonConfig(block_n=64, maxnreg=cap, per_warp=True,
                              pages_ahead=1 if fmt == "turboquant_k3v4_nc" and head_dim >= 128 else 2)
+    if fmt == "turboquant_3bit_nc" and head_dim >= 128:
+        return TQGluonConfig(block_n=64, per_warp=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=cap)

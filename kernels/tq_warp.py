@@ -1,5 +1,6 @@
 """Hopper TurboQuant decode with each warp independent: no barrier per tile. The default kernel for the
-formats with 4-bit values (`FORMATS`; `tq_gluon.default_config`), through `tq_gluon.decode_tq_gluon`.
+formats with 4-bit values, and for 3bit_nc at head_dim 128 (`tq_gluon.default_config`), through
+`tq_gluon.decode_tq_gluon`.
 
 Why (bench/NOTES_TQ.md, tenth session): the warpgroup kernel (`tq_gluon.py`) waits, on every tile, at two
 warpgroup barriers and at the fence that lets its wgmma read P from shared memory; that fence also waits for
@@ -11,14 +12,15 @@ of every 64-token tile and runs its own online softmax:
   4- and 3-bit keys);
 - P_w in the accumulator layout (head g in thread g, tokens 2c, 2c + 1, 8 + 2c, 9 + 2c) *is* the B operand
   of O_w^T = V_w^T P_w^T (fp16, m16n8k16), and V_w^T is the A operand from registers: each thread loads its
-  4 tokens' value bytes and turns token pairs into fp16 subnormal pairs with one PRMT per 2 bytes, so
-  the values never go through shared memory;
+  4 tokens' value bytes and turns token pairs into fp16 subnormal pairs with one PRMT per 2 bytes (3-bit
+  values: two, the 2-bit and the 1-bit plane, `v3_pair_program`), so the values never go through shared
+  memory;
 - the warps' (max, sums, O^T) are merged once, at the end.
 The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8), and an exact running
 max with a rescale of O^T on every tile (Gluon has no per-warp branch for a lazy max).
 
-Scope: turboquant_4bit_nc and turboquant_k3v4_nc, head_dim 64 or 128, GQA groups up to 8, 16-token planar
-pages, sm_90 (mma.sync runs on sm_80+, the callers route sm_90 only). Inputs as `tq_gluon.decode_tq_gluon`.
+Scope: turboquant_4bit_nc, turboquant_k3v4_nc and turboquant_3bit_nc (`FORMATS`), head_dim 64 or 128, GQA
+groups up to 8, 16-token planar pages, sm_90 (mma.sync runs on sm_80+, the callers route sm_90 only). Inputs as `tq_gluon.decode_tq_gluon`.
 Tested on the GPU against the float64 reference (tests/kernels/test_tq_gluon.py); the value operand's index
 algebra also on the CPU (tests/kernels/test_tq_warp.py).
 """
@@ -84,7 +86,7 @@ def v3_pair_program(pairs: int) -> list:
     and one mask, as `turboquant.v3_subnormal_program`."""
     a2, b2, a1, b1 = (f"${8 * pairs + i}" for i in range(4))
     prog = []
-    for q, sel in list(((0, 0x5410), (1, 0x7632)))[:pairs]:
+    for q, sel in [(0, 0x5410), (1, 0x7632)][:pairs]:
         prog += [("prmt", "p", a2, b2, sel), ("prmt", "h", a1, b1, sel), ("shr", "p1", "p", 8),
                  ("shl", "h0", "h", 2),  # byte 2q's high bits from 2s to 2s + 2
                  ("shr", "h1", "h", 6)]  # byte 2q + 1's: bit 8 + 2s to 2s + 2 (a left shift would lose bit 30)

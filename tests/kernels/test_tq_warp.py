@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvpolicy.kernels.tq_reference import _pack_codes, emulate_ptx
-from kvpolicy.kernels.tq_warp import dim_of_row, v3_pair_program, v_pair_program, value_unit
+from kvpolicy.kernels.tq_warp import (
+    dim_of_row,
+    v3_pair_program,
+    v_pair_program,
+    value_unit,
+)
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -47,7 +51,7 @@ def test_values_operand_holds_each_tokens_codes_in_row_order(d: int) -> None:
         return torch.stack([o & 0xFFFF, o >> 16], dim=-1)
 
     h = [halves(regs[f"${i}"]) for i in range(8)]
-    j = lambda x, y: torch.stack([x, y], dim=-1)  # noqa: E731  gl.join
+    j = lambda x, y: torch.stack([x, y], dim=-1)  # gl.join
     y = j(j(j(h[0], h[1]), j(h[2], h[3])), j(j(h[4], h[5]), j(h[6], h[7])))
     y = y.reshape(4, 2, 4, 8, d // 64, 2, 2, 2, 2).permute(0, 4, 8, 7, 6, 3, 1, 2, 5).reshape(4, d, 16)
     m = torch.arange(d)
@@ -101,7 +105,7 @@ def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int) -> None:
         return torch.stack([o & 0xFFFF, o >> 16], dim=-1)
 
     h = [halves(regs[f"${i}"]) for i in range(8 * pairs)]
-    j = lambda x, y: torch.stack([x, y], dim=-1)  # noqa: E731  gl.join
+    j = lambda x, y: torch.stack([x, y], dim=-1)  # gl.join
     eight = [j(j(j(h[i], h[i + 1]), j(h[i + 2], h[i + 3])), j(j(h[i + 4], h[i + 5]), j(h[i + 6], h[i + 7])))
              for i in range(0, 8 * pairs, 8)]
     if d == 128:

@@ -20,11 +20,11 @@ elif [ "$2" = final ]; then
   gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
   timeout 330 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
     --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
-    --out "$out/results_decode_h200_evidence_tq11.json" > "$out/results_decode_h200_evidence_tq11.log" 2>&1
-  grep -E "gl: |TB/s" "$out/results_decode_h200_evidence_tq11.log" | tail -24
+    --out "$out/results_decode_h200_evidence_tq12.json" > "$out/results_decode_h200_evidence_tq12.log" 2>&1
+  grep -E "gl: |TB/s" "$out/results_decode_h200_evidence_tq12.log" | tail -24
   timeout 80 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
-    --skip-accuracy --out "$out/results_decode_h200_tq_gluon11.json" > "$out/results_decode_h200_tq_gluon11.log" 2>&1
-  grep -E "gl: " "$out/results_decode_h200_tq_gluon11.log" | tail -12
+    --skip-accuracy --out "$out/results_decode_h200_tq_gluon12.json" > "$out/results_decode_h200_tq_gluon12.log" 2>&1
+  grep -E "gl: " "$out/results_decode_h200_tq_gluon12.log" | tail -12
   timeout 60 python3 bench/probe_tq_gluon.py --formats turboquant_k8v4 --contexts 131072 --batch 1,8 \
     --block-n 64,128 --pages-ahead 1,2 --split-scale 1,2 --out "$out/probe_k8v4_pages.json" 2>&1 | grep -v picked > "$out/probe.log"
   tail -12 "$out/probe.log"

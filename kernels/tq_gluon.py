@@ -523,6 +523,8 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     second tile's pages spill under the cap (330 us against 357)."""
     cap = 128 if head_dim >= 128 else None
     if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc"):
+        if fmt == "turboquant_4bit_nc" and head_dim == 64:
+            cap = 96  # 5 programs per SM instead of 4, no spills
         return TQGluonConfig(block_n=64, maxnreg=cap, per_warp=True,
                              pages_ahead=1 if fmt == "turboquant_k3v4_nc" and head_dim >= 128 else 2)
     if fmt == "turboquant_3bit_nc" and head_dim >= 128:

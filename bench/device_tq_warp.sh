@@ -37,14 +37,14 @@ elif [ "$2" = v3 ]; then
     --block-n 64 --per-warp 0,1 --maxnreg 0,128 --pages-ahead 2 --split-scale 1,2 \
     --out "$out/probe_3bit_per_warp.json" 2>&1 | grep -v picked > "$out/probe.log"; cat "$out/probe.log"
 elif [ "$2" = d64 ]; then
-  timeout 70 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_4bit_nc,turboquant_k3v4_nc \
+  timeout 60 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_4bit_nc,turboquant_k3v4_nc \
     --contexts 131072 --batch 1,8 --block-n 64 --per-warp 1 --maxnreg 0,96,104 --pages-ahead 2 --split-scale 1,2 \
     --out "$out/probe_d64_caps.json" 2>&1 | grep -v picked > "$out/probe.log"; cat "$out/probe.log"
   gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
-  timeout 200 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
+  timeout 170 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
     --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
     --out "$out/results_decode_h200_evidence_tq13.json" > "$out/results_decode_h200_evidence_tq13.log" 2>&1
-  timeout 60 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
+  timeout 50 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
     --skip-accuracy --out "$out/results_decode_h200_tq_gluon13.json" > "$out/results_decode_h200_tq_gluon13.log" 2>&1
   grep -E "^\| 131072" "$out"/results_decode_h200_*13.log
 elif [ "$2" = tests ]; then

@@ -511,7 +511,9 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     and tenth sessions):
     - 4-bit values (4bit_nc, k3v4_nc): the per-warp kernel (`tq_warp`). gpt-oss layer 4bit_nc 220 us against
       248 for the warpgroup kernel, k3v4_nc 218 against 254; Llama layer 347 against 356 and 330 against 341.
-      At batch 1 on the Llama layer it was 2-4 us slower (60 against 56-58 us).
+      At batch 1 on the Llama layer it was 2-4 us slower (60 against 56-58 us). At head_dim 64 uncapped
+      (110 registers, 4 programs per SM): a cap of 96 (5 programs, no spills) gave 223 against 226 us in
+      the probe but 233 against 221 in the evidence run with the default splits, and was slower at batch 1.
     - 3bit_nc at head_dim 128: the per-warp kernel, uncapped (155 registers, 3 programs per SM; under a cap
       of 128 it spills): Llama layer 381 us against 392 (batch 1: 60 against 63). At head_dim 64 the
       warpgroup kernel: gpt-oss 242 against 254.
@@ -523,8 +525,6 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     second tile's pages spill under the cap (330 us against 357)."""
     cap = 128 if head_dim >= 128 else None
     if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc"):
-        if fmt == "turboquant_4bit_nc" and head_dim == 64:
-            cap = 96  # 5 programs per SM instead of 4, no spills
         return TQGluonConfig(block_n=64, maxnreg=cap, per_warp=True,
                              pages_ahead=1 if fmt == "turboquant_k3v4_nc" and head_dim >= 128 else 2)
     if fmt == "turboquant_3bit_nc" and head_dim >= 128:

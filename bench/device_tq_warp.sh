@@ -1,23 +1,21 @@
 #!/usr/bin/env bash
 # Device calls of session 18 (after `. bench/device_setup.sh`; logs also go to OUTDIR):
-#   test:    GPU tests of the per-warp kernel and of the block table two tiles ahead, then the probe of the
-#            per-warp kernel with one or two tiles of bytes ahead on the gpt-oss layer;
+#   test:    GPU tests of the per-warp kernel and of the block table one tile ahead (the probe of two
+#            tiles of bytes ahead that followed is in bench/results_probe_tq_warp_bytes_ahead_h200.json;
+#            that option is gone);
 #   profile: Nsight Compute profiles at 128k (PROFILE_FORMATS, default turboquant_4bit_nc_gl);
 #   final:   the evidence run (all rows, batch 8), the Gluon rows at batch 1, and k8v4 with the block
 #            table one or two tiles ahead (set KVP_COMMIT to the commit measured);
 #   v3:      GPU tests of the per-warp kernel with 3-bit values, then the probe of 3bit_nc in both kernels;
 #   d64:     the per-warp kernel at head_dim 64 under register caps of 96 and 104 (5 and 4 programs per SM),
 #            then the evidence run and the batch-1 Gluon rows of this code (set KVP_COMMIT);
-#   tests:   the GPU tests of the TurboQuant kernels and of the runtime (293 tests, about 6 minutes).
+#   tests:   the GPU tests of the TurboQuant kernels and of the runtime (338 tests, about 6 minutes).
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|tests}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$2" = test ]; then
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp or pages_one_tile" -p no:cacheprovider \
     > "$out/pytest.log" 2>&1; tail -5 "$out/pytest.log"
-  timeout 200 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_4bit_nc,turboquant_k3v4_nc \
-    --contexts 131072 --batch 1,8 --block-n 64 --per-warp 1 --pages-ahead 2 --bytes-ahead 1,2 --split-scale 1,2 \
-    --out "$out/probe_gptoss_bytes.json" 2>&1 | grep -v picked > "$out/probe.log"; cat "$out/probe.log"
 elif [ "$2" = final ]; then
   gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
   timeout 330 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \

@@ -363,6 +363,33 @@ def _attend(kc, ks, vc, vh, knorm, vscale, vzero, table_lo, q_smem, qf, qc, v16_
 
 
 @gluon.jit
+def _store_result(o, m, l, q_head, h_mask, offs_d, seq, split, num_splits, sinks_ptr, out_ptr, part_out_ptr,
+                  part_lse_ptr, stride_ob, stride_oh, NUM_KV: gl.constexpr, GROUP: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr):
+    """Write a program's result (this kernel's and `tq_warp`'s): o [D, 8 heads] unnormalised (row i is dim
+    offs_d[i]), m and l each head's max (log2 units) and softmax sum. Split: the partial output and its
+    log-sum-exp for the merge; else the normalised output, with the sink's logit in the denominator."""
+    if IS_SPLIT:
+        l_safe = gl.where(l == 0.0, 1.0, l)
+        lse = m + gl.log2(l)  # -inf for an empty split: the merge gives it weight 0
+        row = seq * (NUM_KV * GROUP) + q_head
+        gl.store(part_lse_ptr + row * num_splits + split, lse, mask=h_mask)
+        gl.store(part_out_ptr + ((row * num_splits + split) * HEAD_DIM)[None, :] + offs_d[:, None],
+                 o / l_safe[None, :], mask=h_mask[None, :])
+    else:
+        if HAS_SINKS:
+            # The sink logit joins the denominator only.
+            sink = gl.load(sinks_ptr + q_head, mask=h_mask, other=0.0) * 1.4426950408889634
+            m_fin = gl.maximum(m, sink)
+            corr = gl.exp2(m - m_fin)
+            l = l * corr + gl.exp2(sink - m_fin)
+            o = o * corr[None, :]
+        l_safe = gl.where(l == 0.0, 1.0, l)
+        gl.store(out_ptr + seq * stride_ob + (q_head * stride_oh)[None, :] + offs_d[:, None],
+                 (o / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
+
+
+@gluon.jit
 def _tq_gluon_kernel(
     q_ptr, order_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_out_ptr,
     part_lse_ptr, q_scale, window, num_splits,
@@ -464,26 +491,8 @@ def _tq_gluon_kernel(
     VPARTS: gl.constexpr = 2 if V_BITS == 4 else 4
     VSHIFT: gl.constexpr = 4 if V_BITS == 4 else 2
     acc = acc * (_UNSUB * gl.exp2((rows // (HEAD_DIM // VPARTS)).to(gl.float32) * -VSHIFT))[:, None] + z_i[None, :]
-    if IS_SPLIT:
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        lse = m_i + gl.log2(l_i)  # -inf for an empty split: the merge gives it weight 0
-        row = seq * (NUM_KV * GROUP) + q_head
-        gl.store(part_lse_ptr + row * num_splits + split, lse, mask=h_mask)
-        o = acc / l_safe[None, :]
-        gl.store(part_out_ptr + ((row * num_splits + split) * HEAD_DIM)[None, :] + offs_d[:, None], o,
-                 mask=h_mask[None, :])
-    else:
-        if HAS_SINKS:
-            # The sink logit joins the denominator only.
-            sink = gl.load(sinks_ptr + q_head, mask=h_mask, other=0.0) * 1.4426950408889634
-            m_fin = gl.maximum(m_i, sink)
-            corr = gl.exp2(m_i - m_fin)
-            l_i = l_i * corr + gl.exp2(sink - m_fin)
-            acc = acc * corr[None, :]
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_safe[None, :]
-        gl.store(out_ptr + seq * stride_ob + (q_head * stride_oh)[None, :] + offs_d[:, None],
-                 o.to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
+    _store_result(acc, m_i, l_i, q_head, h_mask, offs_d, seq, split, num_splits, sinks_ptr, out_ptr, part_out_ptr,
+                  part_lse_ptr, stride_ob, stride_oh, NUM_KV, GROUP, HEAD_DIM, HAS_SINKS, IS_SPLIT)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from kvpolicy.kernels.tq_gluon import (
     Q_LO,
     Q_LO_INT,
     _kernel_table,
+    _store_result,
     _word_bytes,
     kernel_constexprs,
 )
@@ -433,23 +434,8 @@ def _tq_warp_kernel(
     l_o = gl.convert_layout(l_i, gl.SliceLayout(0, out_l))
     z_o = gl.convert_layout(z_i, gl.SliceLayout(0, out_l))
     o = o * unit[:, None] + z_o[None, :]
-    if IS_SPLIT:
-        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-        lse = m_o + gl.log2(l_o)
-        row = seq * (NUM_KV * GROUP) + q_head
-        gl.store(part_lse_ptr + row * num_splits + split, lse, mask=h_mask)
-        gl.store(part_out_ptr + ((row * num_splits + split) * HEAD_DIM)[None, :] + offs_d[:, None],
-                 o / l_safe[None, :], mask=h_mask[None, :])
-    else:
-        if HAS_SINKS:
-            sink = gl.load(sinks_ptr + q_head, mask=h_mask, other=0.0) * 1.4426950408889634
-            m_fin = gl.maximum(m_o, sink)
-            corr = gl.exp2(m_o - m_fin)
-            l_o = l_o * corr + gl.exp2(sink - m_fin)
-            o = o * corr[None, :]
-        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-        gl.store(out_ptr + seq * stride_ob + (q_head * stride_oh)[None, :] + offs_d[:, None],
-                 (o / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
+    _store_result(o, m_o, l_o, q_head, h_mask, offs_d, seq, split, num_splits, sinks_ptr, out_ptr, part_out_ptr,
+                  part_lse_ptr, stride_ob, stride_oh, NUM_KV, GROUP, HEAD_DIM, HAS_SINKS, IS_SPLIT)
 
 
 FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")

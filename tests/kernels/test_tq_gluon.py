@@ -23,12 +23,30 @@ def run_planar(fmt, device, kernel="gluon", **kw):
     return _run(fmt, device, planar=True, kernel=kernel, int8_keys=kernel != "triton", **kw)
 
 
+SHAPES = [(128, 32), (64, 64), (128, 8)]
+"""(head_dim, query heads) with 8 KV heads: GQA 4, 8 and 1."""
+CASES = [(None, False, 1), (None, True, 3), (48, True, 1), (200, False, 2), (None, False, None)]
+"""(sliding window, sinks, splits; None: the default split count)."""
+
+
+def _check_config(cfg, fmt: str, device: str, monkeypatch: pytest.MonkeyPatch, d: int, hq: int, window, sinks: bool,
+                  splits) -> None:
+    """Decode with `cfg` as the default config against the float64 reference: one-token and partly filled
+    sequences; the output is poisoned with NaN and stale slots hold NaN norms and scales."""
+    from kvpolicy.kernels import tq_gluon
+
+    monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: cfg)
+    out, ref, _ = run_planar(fmt, device, bsz=4, hq=hq, hkv=8, d=d, seq=(1, 37, 300, 1025), splits=splits,
+                             window=window, sinks=sinks)
+    assert not out.isnan().any(), "unwritten output or a read of an unattended (NaN) slot"
+    assert _rel(out, ref) <= TOL_SAME_CACHE
+
+
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("fmt", GLUON_FORMATS)
-@pytest.mark.parametrize("d, hq", [(128, 32), (64, 64), (128, 8)])
-@pytest.mark.parametrize("window, sinks, splits", [(None, False, 1), (None, True, 3), (48, True, 1),
-                                                   (200, False, 2), (None, False, None)])
+@pytest.mark.parametrize("d, hq", SHAPES)
+@pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("tile", [64, 128])
 def test_gluon_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool, splits, tile: int, device: str,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,11 +54,7 @@ def test_gluon_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool,
     the output is poisoned with NaN and stale slots hold NaN norms and scales."""
     from kvpolicy.kernels import tq_gluon
 
-    monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: tq_gluon.TQGluonConfig(block_n=tile))
-    out, ref, _ = run_planar(fmt, device, bsz=4, hq=hq, hkv=8, d=d, seq=(1, 37, 300, 1025), splits=splits,
-                             window=window, sinks=sinks)
-    assert not out.isnan().any(), "unwritten output or a read of an unattended (NaN) slot"
-    assert _rel(out, ref) <= TOL_SAME_CACHE
+    _check_config(tq_gluon.TQGluonConfig(block_n=tile), fmt, device, monkeypatch, d, hq, window, sinks, splits)
 
 
 @pytest.mark.gpu
@@ -103,9 +117,8 @@ def test_gluon_routing_says_why(device: str) -> None:
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
-@pytest.mark.parametrize("d, hq", [(128, 32), (64, 64), (128, 8)])
-@pytest.mark.parametrize("window, sinks, splits", [(None, False, 1), (None, True, 3), (48, True, 1),
-                                                   (200, False, 2), (None, False, None)])
+@pytest.mark.parametrize("d, hq", SHAPES)
+@pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("maxnreg, ahead", [(None, 2), (128, 2), (None, 1)])
 def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool, splits, maxnreg,
                                            ahead: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,11 +127,7 @@ def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, si
     from kvpolicy.kernels import tq_gluon
 
     cfg = tq_gluon.TQGluonConfig(block_n=64, per_warp=True, maxnreg=maxnreg, pages_ahead=ahead)
-    monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: cfg)
-    out, ref, _ = run_planar(fmt, device, bsz=4, hq=hq, hkv=8, d=d, seq=(1, 37, 300, 1025), splits=splits,
-                             window=window, sinks=sinks)
-    assert not out.isnan().any(), "unwritten output or a read of an unattended (NaN) slot"
-    assert _rel(out, ref) <= TOL_SAME_CACHE
+    _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
 
 
 @pytest.mark.gpu

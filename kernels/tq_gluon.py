@@ -456,9 +456,10 @@ def _tq_gluon_kernel(
     if KEY_BITS != 8:
         table_lo = gl.load(order_ptr + HEAD_DIM)  # loaded, so that it stays in a register (see `_attend`)
     PL: gl.constexpr = gl.SliceLayout(1, K_LAYOUT)
-    kc, ks, vc, vh, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, _pages(bt_row, tile_lo, seq_len, PL, BN),
-                                                      tile_lo, kvh, BN, SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                                      KB, VBM, VB, NF, K_LAYOUT, V_LAYOUT)
+    page = _pages(bt_row, tile_lo, seq_len, PL, BN)
+    kc, ks, vc, vh, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, page, tile_lo, kvh, BN, SLOT, NUM_KV,
+                                                      HEAD_DIM, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, K_LAYOUT,
+                                                      V_LAYOUT)
     page = _pages(bt_row, tile_lo + 1, seq_len, PL, BN)
     for tile in range(tile_lo, tile_hi):
         if PAGES_AHEAD == 1:

@@ -20,7 +20,8 @@ The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of
 max with a rescale of O^T on every tile (Gluon has no per-warp branch for a lazy max).
 
 Scope: turboquant_4bit_nc, turboquant_k3v4_nc and turboquant_3bit_nc (`FORMATS`), head_dim 64 or 128, GQA
-groups up to 8, 16-token planar pages, sm_90 (mma.sync runs on sm_80+, the callers route sm_90 only). Inputs as `tq_gluon.decode_tq_gluon`.
+groups up to 8, 16-token planar pages, sm_90 (mma.sync runs on sm_80+, the callers route sm_90 only).
+Inputs as `tq_gluon.decode_tq_gluon`.
 Tested on the GPU against the float64 reference (tests/kernels/test_tq_gluon.py); the value operand's index
 algebra also on the CPU (tests/kernels/test_tq_warp.py).
 """
@@ -279,7 +280,7 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     else:
         # thread g: the D/32 bytes of the 2-bit plane from byte j = g D/32 (word j / 4, from its byte j % 4),
         # and the 1-bit word of the same codes shifted into place (`tq_gluon._plane_words`), both moved down
-        # by j % 4 bytes (D 64: threads g and g + 1 share a word). Signed shifts: the bits above are unused.
+        # by j % 4 bytes (D 64: threads 2k and 2k + 1 share a word). Signed shifts: the bits above are unused.
         WV: gl.constexpr = HEAD_DIM // 32
         j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, V3_LAYOUT))) * (HEAD_DIM // 32)
         c = j // 4
@@ -425,8 +426,8 @@ def _tq_warp_kernel(
         unit = _UNSUB * gl.exp2(u.to(gl.float32) * -4.0)  # 1 / `value_unit`
     else:
         Q: gl.constexpr = HEAD_DIM // 64
-        offs_d = (t // Q) * (HEAD_DIM // 4) + g * (HEAD_DIM // 32) + 2 * (t % Q) + u
-        unit = _UNSUB * gl.exp2((t // Q).to(gl.float32) * -2.0)
+        offs_d = (t // Q) * (HEAD_DIM // 4) + g * (HEAD_DIM // 32) + 2 * (t % Q) + u  # `dim_of_row(D, 3)`
+        unit = _UNSUB * gl.exp2((t // Q).to(gl.float32) * -2.0)  # 1 / `value_unit(D, 3)`
     offs_h = gl.arange(0, 8, layout=gl.SliceLayout(0, out_l))
     h_mask = offs_h < GROUP
     q_head = kvh * GROUP + offs_h

@@ -194,7 +194,8 @@ def test_default_config_sends_only_per_warp_formats_to_the_per_warp_kernel(fmt: 
     if fmt == "turboquant_k8v4":
         assert not cfg.per_warp
     # the measured choices (NOTES_TQ.md, tenth session): 4-bit values always, 3-bit values at head_dim 128
-    assert cfg.per_warp == (fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc") or (fmt, d) == ("turboquant_3bit_nc", 128))
+    assert cfg.per_warp == (fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc")
+                            or (fmt, d) == ("turboquant_3bit_nc", 128))
     if cfg.per_warp:
         assert fmt in tq_warp.FORMATS and cfg.block_n == 64 and d in tq_warp.REGISTERS[fmt]
         regs = cfg.maxnreg or tq_warp.REGISTERS[fmt][d]

@@ -9,9 +9,15 @@
 #   v3:      GPU tests of the per-warp kernel with 3-bit values, then the probe of 3bit_nc in both kernels;
 #   d64:     the per-warp kernel at head_dim 64 under register caps of 96 and 104 (5 and 4 programs per SM),
 #            then the evidence run and the batch-1 Gluon rows of this code (set KVP_COMMIT);
-#   tests:   the GPU tests of the TurboQuant kernels and of the runtime (338 tests, about 6 minutes).
+#   tests:   the GPU tests of the TurboQuant kernels and of the runtime (338 tests, about 6 minutes);
+# session 19:
+#   lazy:    GPU tests of the per-warp kernel (the lazy max's lone-rising-head test included), the same test
+#            with the rescale vote blind to each thread's second head (it must fail for head 1), then the
+#            probe of the lazy against the exact max, pages one or two tiles ahead, both layers;
+#   splits:  4bit_nc in the per-warp kernel with the lazy max at 0.5-4.125x the default split count;
+#   evidence: the evidence run (all rows, batch 8) and the Gluon rows at batch 1, files tagged TAG.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$2" = test ]; then
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp or pages_one_tile" -p no:cacheprovider \
@@ -45,6 +51,40 @@ elif [ "$2" = d64 ]; then
   timeout 50 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
     --skip-accuracy --out "$out/results_decode_h200_tq_gluon13.json" > "$out/results_decode_h200_tq_gluon13.log" 2>&1
   grep -E "^\| 131072" "$out"/results_decode_h200_*13.log
+elif [ "$2" = lazy ]; then
+  timeout 200 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \
+    > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
+  cp kernels/tq_warp.py "$out/tq_warp.py.orig"
+  sed -i 's/setp.neu.or.f32 p, ${2 \* n + 1}/setp.neu.or.f32 p, ${2 * n}/' kernels/tq_warp.py
+  grep -c 'setp.neu.or.f32 p, ${2 \* n}' kernels/tq_warp.py
+  timeout 60 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "lone_rising_head" -p no:cacheprovider \
+    > "$out/pytest_mutant.log" 2>&1; grep -E "passed|failed" "$out/pytest_mutant.log" | tail -3; grep FAILED "$out/pytest_mutant.log"
+  cp "$out/tq_warp.py.orig" kernels/tq_warp.py
+  p="--contexts 131072 --batch 1,8 --block-n 64 --per-warp 1 --lazy 0,1 --split-scale 1"
+  timeout 150 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b --formats turboquant_4bit_nc,turboquant_k3v4_nc \
+    $p --maxnreg 128 --pages-ahead 1,2 --out "$out/probe_lazy_llama.json" 2>&1 | grep -v picked > "$out/probe_llama.log"
+  timeout 80 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b --formats turboquant_3bit_nc \
+    $p --maxnreg 0 --pages-ahead 2 --out "$out/probe_lazy_llama3.json" 2>&1 | grep -v picked > "$out/probe_llama3.log"
+  timeout 120 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc \
+    $p --maxnreg 0 --pages-ahead 2 --out "$out/probe_lazy_gptoss.json" 2>&1 | grep -v picked > "$out/probe_gptoss.log"
+  cat "$out"/probe_*.log
+elif [ "$2" = splits ]; then
+  p="--formats turboquant_4bit_nc --contexts 131072 --batch 1,8 --block-n 64 --per-warp 1 --lazy 1 --split-scale 0.5,1,2,4.125"
+  timeout 120 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b $p --maxnreg 128 --pages-ahead 1 \
+    --out "$out/probe_splits_llama.json" 2>&1 | grep -v picked > "$out/probe_llama.log"
+  timeout 120 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b $p --maxnreg 0 --pages-ahead 2 \
+    --out "$out/probe_splits_gptoss.json" 2>&1 | grep -v picked > "$out/probe_gptoss.log"
+  cat "$out"/probe_*.log
+elif [ "$2" = evidence ]; then
+  t=${TAG:?set TAG, e.g. tq14}
+  gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
+  timeout 360 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
+    --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
+    --out "$out/results_decode_h200_evidence_$t.json" > "$out/results_decode_h200_evidence_$t.log" 2>&1
+  grep -E "gl: |TB/s" "$out/results_decode_h200_evidence_$t.log" | tail -24
+  timeout 100 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
+    --skip-accuracy --out "$out/results_decode_h200_tq_gluon_$t.json" > "$out/results_decode_h200_tq_gluon_$t.log" 2>&1
+  grep -E "gl: " "$out/results_decode_h200_tq_gluon_$t.log" | tail -12
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

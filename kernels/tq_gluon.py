@@ -511,34 +511,45 @@ class TQGluonConfig:
     """How many tiles ahead the block-table entries load (1 or 2). Each tile's loads need its entries; at 1 the
     warp stalled on them before issuing the loads (Nsight Compute, NOTES_TQ.md tenth session)."""
     lazy_max: bool = True
-    """Keep the softmax reference max until a score passes it by `LAZY_MAX_MARGIN` (log2 units): the common
-    tile then needs no cross-warp max and no rescaling, only each warp's "passed" flag, read after the
-    barrier P needs anyway. False: the exact running max of every tile."""
+    """Keep the softmax reference max until a score passes it by `LAZY_MAX_MARGIN` (log2 units). Warpgroup
+    kernel: the common tile then needs no cross-warp max and no rescaling, only each warp's "passed" flag,
+    read after the barrier P needs anyway. Per-warp kernel: a warp whose heads all kept their max skips the
+    rescale of its O^T (`tq_warp.rescale_ptx`). False: the exact running max of every tile."""
+    split_waves: tuple[int, ...] = ()
+    """Whole-wave multiples the split count may take at long contexts (`decode_attention.split_count`);
+    none: one wave."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
-    """The fastest configuration of bench/probe_tq_gluon.py on an H200 at batch 8, 128k (NOTES_TQ.md, seventh
-    and tenth sessions):
+    """The fastest configuration of bench/probe_tq_gluon.py on an H200 at batch 8, 128k (NOTES_TQ.md, seventh,
+    tenth and eleventh sessions):
     - 4-bit values (4bit_nc, k3v4_nc): the per-warp kernel (`tq_warp`). gpt-oss layer 4bit_nc 220 us against
       248 for the warpgroup kernel, k3v4_nc 218 against 254; Llama layer 347 against 356 and 330 against 341.
       At batch 1 on the Llama layer it was 2-4 us slower (60 against 56-58 us). At head_dim 64 uncapped
       (110 registers, 4 programs per SM): a cap of 96 (5 programs, no spills) gave 223 against 226 us in
       the probe but 233 against 221 in the evidence run with the default splits, and was slower at batch 1.
+    - The per-warp lazy max (skip of the O^T rescale): 4bit_nc at head_dim 128 with the block table one tile
+      ahead 342.7 us against 354.9 (exact max; two tiles ahead, which spill under the lazy max's registers:
+      368.2 against 355.7); k3v4_nc slower with it (341.6 against 333.3: it spills), the gpt-oss layer and
+      3bit_nc unchanged (within 1%). `bench/results_probe_tq_warp_lazy_*_h200.json`.
     - 3bit_nc at head_dim 128: the per-warp kernel, uncapped (155 registers, 3 programs per SM; under a cap
       of 128 it spills): Llama layer 381 us against 392 (batch 1: 60 against 63). At head_dim 64 the
       warpgroup kernel: gpt-oss 242 against 254.
+    - The per-warp kernel may take two waves of splits at long contexts: batch 8, 128k, 16 splits against 8:
+      Llama 4bit_nc 338.1 against 340.3 us, gpt-oss 219.9 against 224.1 (batch 1: 128 against 64 splits is
+      slower, and `split_count` keeps 64 there). `bench/results_probe_tq_warp_splits_*_h200.json`.
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles (Llama layer 498 us against 568 for 64).
     - else 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for 128).
     At head_dim 128, 64-token tiles are otherwise capped at 128 registers: 4 programs per SM, no spills.
     The block table loads two tiles ahead (Llama 3bit_nc 392 us against 401, gpt-oss 242 against 251;
-    k8v4 422 against 448 and 247 against 264), except for the per-warp k3v4_nc at head_dim 128, where the
-    second tile's pages spill under the cap (330 us against 357)."""
+    k8v4 422 against 448 and 247 against 264), except for the per-warp kernel with 4-bit values at head_dim
+    128, where the second tile's pages spill under the cap (k3v4_nc 330 us against 357)."""
     cap = 128 if head_dim >= 128 else None
     if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc"):
-        return TQGluonConfig(block_n=64, maxnreg=cap, per_warp=True,
-                             pages_ahead=1 if fmt == "turboquant_k3v4_nc" and head_dim >= 128 else 2)
+        return TQGluonConfig(block_n=64, maxnreg=cap, per_warp=True, pages_ahead=1 if head_dim >= 128 else 2,
+                             lazy_max=fmt == "turboquant_4bit_nc", split_waves=(2,))
     if fmt == "turboquant_3bit_nc" and head_dim >= 128:
-        return TQGluonConfig(block_n=64, per_warp=True)
+        return TQGluonConfig(block_n=64, per_warp=True, split_waves=(2,))
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=cap)

@@ -16,8 +16,10 @@ of every 64-token tile and runs its own online softmax:
   values: two, the 2-bit and the 1-bit plane, `v3_pair_program`), so the values never go through shared
   memory;
 - the warps' (max, sums, O^T) are merged once, at the end.
-The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8), and an exact running
-max with a rescale of O^T on every tile (Gluon has no per-warp branch for a lazy max).
+The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8). Its rescale is skipped
+when none of the warp's heads moved its max: with the lazy max (`TQGluonConfig.lazy_max`, the reference max
+moves only when a score passes it by `LAZY_MAX_MARGIN`) that is nearly every tile; Gluon has no per-warp
+branch, so the skip is a vote and a branch inside one asm block (`rescale_ptx`).
 
 Scope: turboquant_4bit_nc, turboquant_k3v4_nc and turboquant_3bit_nc (`FORMATS`), head_dim 64 or 128, GQA
 groups up to 8, 16-token planar pages, sm_90 (mma.sync runs on sm_80+, the callers route sm_90 only).
@@ -33,6 +35,7 @@ from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.tq_gluon import (
     _K3_I8_ASM,
     _K4_I8_ASM,
+    LAZY_MAX_MARGIN,
     Q_LO,
     Q_LO_INT,
     _kernel_table,
@@ -103,6 +106,25 @@ _V3_PAIR_ASM_128 = gl.constexpr(render_ptx(v3_pair_program(2)))
 _V3_PAIR_ASM_64 = gl.constexpr(render_ptx(v3_pair_program(1)))
 _V3_CONSTRAINTS_128 = gl.constexpr("=r," * 16 + "r,r,r,r")
 _V3_CONSTRAINTS_64 = gl.constexpr("=r," * 8 + "r,r,r,r")
+
+
+def rescale_ptx(n: int) -> str:
+    """PTX for n accumulator elements $n.. times their factors $2n..: skipped, by a warp-uniform branch, when
+    every factor in the warp is 1. `$2n` and `$2n + 1` are the thread's two heads (columns 2c, 2c + 1: the
+    mma.sync accumulator's first two registers), so the vote covers the warp's 8 heads. Gluon has no per-warp
+    `if`; a branch inside one asm block is one (labels are local to the braces)."""
+    one = "0f3F800000"
+    lines = ["{", ".reg .pred p;", f"setp.neu.f32 p, ${2 * n}, {one};", f"setp.neu.or.f32 p, ${2 * n + 1}, {one}, p;",
+             "vote.sync.any.pred p, p, 0xffffffff;"]
+    lines += [f"mov.b32 ${i}, ${n + i};" for i in range(n)]
+    lines += ["@!p bra.uni SKIP;"] + [f"mul.f32 ${i}, ${n + i}, ${2 * n + i};" for i in range(n)]
+    return "\n".join(lines + ["SKIP:", "}"])
+
+
+_RESCALE_ASM_128 = gl.constexpr(rescale_ptx(32))
+_RESCALE_ASM_64 = gl.constexpr(rescale_ptx(16))
+_RESCALE_CONSTRAINTS_128 = gl.constexpr(",".join(["=f"] * 32 + ["f"] * 64))
+_RESCALE_CONSTRAINTS_64 = gl.constexpr(",".join(["=f"] * 16 + ["f"] * 32))
 
 
 def value_layout(head_dim: int) -> gl.DistributedLinearLayout:
@@ -303,7 +325,7 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
 @gluon.jit
 def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
-          EDGE: gl.constexpr):
+          LAZY: gl.constexpr, EDGE: gl.constexpr):
     """One 64-token tile, each warp its 16 tokens: loads, S_w, exact online softmax, O_w^T += V_w^T P_w^T.
     EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
     path). The tile's bytes come from `_load_w`, issued one tile ahead."""
@@ -323,15 +345,30 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     if EDGE:
         x = gl.where(ok[:, None, :], x, float("-inf"))
 
-    # exact online softmax per warp and head (the max over a warp's 16 tokens stays in the warp)
-    m_new = gl.maximum(m_i, gl.max(x, 2))
+    # online softmax per warp and head (the max over a warp's 16 tokens stays in the warp)
+    t_max = gl.max(x, 2)
+    if LAZY:
+        # the reference max moves only when a score passes it by LAZY_MAX_MARGIN (P <= 2^4, as `tq_gluon`)
+        m_new = gl.where(t_max > m_i + LAZY_MAX_MARGIN, t_max, m_i)
+    else:
+        m_new = gl.maximum(m_i, t_max)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
+    alpha = gl.exp2(m_i - m_use)  # exactly 1 where the max stayed (ex2 of 0): the rescale below is skipped
     p = gl.exp2(x - m_use[:, :, None])
     l_part = l_part * alpha[:, :, None] + p
     z_part = z_part * alpha[:, :, None] + p * vzero[:, None, :]
     pb = gl.convert_layout(gl.permute((p * vscale[:, None, :]).to(gl.float16), (0, 2, 1)), PB)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
+    if LAZY:
+        # O^T is HEAD_DIM / 4 registers per thread; the common tile keeps its max and skips their FMULs
+        if HEAD_DIM == 128:
+            acc = gl.inline_asm_elementwise(_RESCALE_ASM_128, _RESCALE_CONSTRAINTS_128, [acc, alpha_o],
+                                            dtype=gl.float32, is_pure=True, pack=32)
+        else:
+            acc = gl.inline_asm_elementwise(_RESCALE_ASM_64, _RESCALE_CONSTRAINTS_64, [acc, alpha_o],
+                                            dtype=gl.float32, is_pure=True, pack=16)
+    else:
+        acc = acc * alpha_o
     if V_BITS == 4:
         acc = mma_v2(_values_operand(vc, HEAD_DIM), pb, acc)
     else:
@@ -347,7 +384,8 @@ def _tq_warp_kernel(
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
     VB: gl.constexpr, NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr, I8_SCALE: gl.constexpr,
-    PAGES_AHEAD: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
@@ -400,11 +438,11 @@ def _tq_warp_kernel(
         if (tile * BN < start) | (tile * BN + BN > seq_len):
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             True)
+                                             LAZY, True)
         else:
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             False)
+                                             LAZY, False)
         kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     # merge the 4 warps: each its own max, sums and O^T
@@ -441,10 +479,11 @@ def _tq_warp_kernel(
 
 FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 """Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values."""
-REGISTERS = {"turboquant_4bit_nc": {128: 155, 64: 110}, "turboquant_k3v4_nc": {128: 156, 64: 123},
-             "turboquant_3bit_nc": {128: 155, 64: 124}}
-"""Registers per thread of the sm_90 compile by format and head_dim (Triton 3.6, no cap, pages two tiles ahead;
-`bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n 64 --per-warp`); `TQGluonConfig.maxnreg` overrides."""
+REGISTERS = {"turboquant_4bit_nc": {128: 154, 64: 111}, "turboquant_k3v4_nc": {128: 155, 64: 120},
+             "turboquant_3bit_nc": {128: 157, 64: 126}}
+"""Registers per thread of the sm_90 compile by format and head_dim (Triton 3.6, no cap, pages two tiles ahead,
+the default max: lazy for 4bit_nc and 3bit_nc, exact for k3v4_nc; `bench/sass_mix.py --tq-gluon FORMAT
+--head-dim D --block-n 64 --per-warp [--exact-max]`); `TQGluonConfig.maxnreg` overrides."""
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -473,7 +512,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"]),
-        PAGES_AHEAD=cfg.pages_ahead, HAS_WINDOW=sliding_window is not None,
+        PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1:

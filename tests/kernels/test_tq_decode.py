@@ -47,14 +47,20 @@ def _paged(fmt, key, value, seq_lens, block_size, device, use_kernel=False, max_
 
 
 def _run(fmt, device, *, bsz=2, hq=8, hkv=2, d=128, seq=(100, 37), block_size=16, splits=None, window=None,
-         sinks=False, outliers=False, planar=False, key_growth=None, int8_keys=False, **decode_kw):
+         sinks=False, outliers=False, planar=False, key_growth=None, rising_head=None, int8_keys=False,
+         **decode_kw):
     """Decode random K/V packed by the reference (into planar pages if `planar`): (out, reference over the
     same cache, unquantized float64 attention). `key_growth`: key t scaled by 1 + t / key_growth, so the
-    scores' running max keeps rising along the sequence. `int8_keys`: the reference takes the int8
+    scores' running max keeps rising along the sequence. `rising_head`: keys drift along coordinate 0 (to
+    40 at the sequence's end) and the query heads of that index within each GQA group point along it (the
+    others against it), so only those heads' max keeps rising. `int8_keys`: the reference takes the int8
     centroids of the Gluon kernel's score MMA."""
     key = [torch.randn(n, hkv, d) for n in seq]
     if key_growth:
         key = [k * (1 + torch.arange(len(k))[:, None, None] / key_growth) for k in key]
+    if rising_head is not None:
+        for k in key:
+            k[:, :, 0] += torch.arange(len(k))[:, None] * (40.0 / len(k))
     value = [torch.randn(n, hkv, d) * 0.7 + 0.2 for n in seq]
     if outliers:
         for k in key:
@@ -64,6 +70,9 @@ def _run(fmt, device, *, bsz=2, hq=8, hkv=2, d=128, seq=(100, 37), block_size=16
     if planar:
         cache = planar_from_slots(cache, fmt, d)
     query = torch.randn(bsz, hq, d)
+    if rising_head is not None:
+        rising = torch.arange(hq) % (hq // hkv) == rising_head
+        query[:, :, 0] = torch.where(rising, 4.0, -4.0)
     sink = torch.randn(hq) if sinks else None
     out = torch.full((bsz, hq, d), float("nan"), device=device)  # poisoned: every element must be written
     decode_attention_tq(query.to(device), cache, tables, seq_lens.to(device), fmt, sliding_window=window,

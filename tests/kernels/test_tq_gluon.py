@@ -132,6 +132,28 @@ def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, si
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("fmt, d", [("turboquant_4bit_nc", 128), ("turboquant_4bit_nc", 64), ("turboquant_3bit_nc", 128)])
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("head", [0, 1, 6])
+def test_per_warp_lazy_max_rescales_a_lone_rising_head(fmt: str, d: int, lazy: bool, head: int, device: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """GQA 8, and only head `head` of each group sees its scores rise along the sequence (the others fall): a
+    warp skips its O^T rescale only when no head's reference max moved (`tq_warp.rescale_ptx`'s vote over each
+    thread's two heads), so that head's output still matches the float64 reference, with splits and without,
+    whichever accumulator column it sits in."""
+    from kvpolicy.kernels import tq_gluon
+
+    cfg = tq_gluon.TQGluonConfig(block_n=64, per_warp=True, lazy_max=lazy)
+    monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: cfg)
+    for splits in (1, 3):
+        out, ref, _ = run_planar(fmt, device, bsz=2, hq=64, hkv=8, d=d, seq=(1025, 700), splits=splits,
+                                 rising_head=head)
+        assert not out.isnan().any()
+        assert _rel(out, ref) <= TOL_SAME_CACHE, f"splits {splits}"
+
+
+@pytest.mark.gpu
+@hopper_only
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
 def test_gluon_pages_one_tile_ahead_matches_reference(fmt: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`TQGluonConfig.pages_ahead` 1 (the block table read one tile ahead, as before) in the warpgroup kernel."""

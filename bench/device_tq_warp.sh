@@ -15,9 +15,10 @@
 #            with the rescale vote blind to each thread's second head (it must fail for head 1), then the
 #            probe of the lazy against the exact max, pages one or two tiles ahead, both layers;
 #   splits:  4bit_nc in the per-warp kernel with the lazy max at 0.5-4.125x the default split count;
+#   waves:   the per-warp defaults at 64k and 128k, batch 8, with one wave of splits against two;
 #   evidence: the evidence run (all rows, batch 8) and the Gluon rows at batch 1, files tagged TAG.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$2" = test ]; then
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp or pages_one_tile" -p no:cacheprovider \
@@ -85,6 +86,17 @@ elif [ "$2" = evidence ]; then
   timeout 100 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
     --skip-accuracy --out "$out/results_decode_h200_tq_gluon_$t.json" > "$out/results_decode_h200_tq_gluon_$t.log" 2>&1
   grep -E "gl: " "$out/results_decode_h200_tq_gluon_$t.log" | tail -12
+elif [ "$2" = waves ]; then
+  p="--contexts 65536,131072 --batch 8 --block-n 64 --per-warp 1 --split-scale 1,2"
+  timeout 100 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b --formats turboquant_4bit_nc $p --lazy 1 --maxnreg 128 \
+    --pages-ahead 1 --out "$out/probe_waves_llama4.json" 2>&1 | grep -v picked > "$out/probe_1.log"
+  timeout 100 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b --formats turboquant_k3v4_nc $p --lazy 0 --maxnreg 128 \
+    --pages-ahead 1 --out "$out/probe_waves_llama3.json" 2>&1 | grep -v picked > "$out/probe_2.log"
+  timeout 100 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_4bit_nc $p --lazy 1 --maxnreg 0 \
+    --pages-ahead 2 --out "$out/probe_waves_gptoss4.json" 2>&1 | grep -v picked > "$out/probe_3.log"
+  timeout 100 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_k3v4_nc $p --lazy 0 --maxnreg 0 \
+    --pages-ahead 2 --out "$out/probe_waves_gptoss3.json" 2>&1 | grep -v picked > "$out/probe_4.log"
+  cat "$out"/probe_*.log
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

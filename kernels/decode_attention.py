@@ -148,7 +148,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: D
 
 
 def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, programs_per_sm: float, device: torch.device,
-                min_tokens_per_split: int = 0, waves: tuple[int, ...] = (4, 2)) -> int:
+                min_tokens_per_split: int = 0, waves: tuple[int, ...] = (4, 2), wave_tiles: int = 64) -> int:
     """Splits per sequence for programs of `tile` tokens of which `programs_per_sm` are resident per SM at once,
     from the block table's capacity (no host sync, graph-safe).
 
@@ -169,7 +169,8 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
     this was 7% faster on average over those cases and up to 33% (FP8, batch 8, 4k).
     `waves`: the whole-wave multiples tried at long contexts, largest first. The Gluon kernel passes
     none: one wave measured fastest for it (bench/probe_gluon.py, NOTES.md v8; gpt-oss layer, batch 8,
-    128k: 4 splits 259.5-261.3 us, 8 splits 305.5 us).
+    128k: 4 splits 259.5-261.3 us, 8 splits 305.5 us). `wave_tiles`: the tiles each split keeps when
+    it takes more waves (the TurboQuant per-warp kernel: 128, `tq_gluon.TQGluonConfig.split_wave_tiles`).
     """
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
     pairs = batch * num_kv_heads
@@ -181,8 +182,8 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
     for w in waves:
         more = _pow2_floor(w * resident // pairs)
         programs = more * pairs
-        # whole waves only: the last one at least 85% full, and every split >= 64 tiles
-        if more > splits and tiles >= 64 * more and (programs % resident == 0 or programs % resident >= 0.85 * resident):
+        # whole waves only: the last one at least 85% full, and every split >= wave_tiles tiles
+        if more > splits and tiles >= wave_tiles * more and (programs % resident == 0 or programs % resident >= 0.85 * resident):
             splits = more
             break
     per_split = next((t for t in (4, 2) if (tiles // t) * pairs >= num_sms), 1)

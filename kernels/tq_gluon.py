@@ -518,6 +518,8 @@ class TQGluonConfig:
     split_waves: tuple[int, ...] = ()
     """Whole-wave multiples the split count may take at long contexts (`decode_attention.split_count`);
     none: one wave."""
+    split_wave_tiles: int = 64
+    """Tiles each split keeps when the split count takes more waves (`split_count`'s `wave_tiles`)."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
@@ -535,9 +537,11 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     - 3bit_nc at head_dim 128: the per-warp kernel, uncapped (155 registers, 3 programs per SM; under a cap
       of 128 it spills): Llama layer 381 us against 392 (batch 1: 60 against 63). At head_dim 64 the
       warpgroup kernel: gpt-oss 242 against 254.
-    - The per-warp kernel may take two waves of splits at long contexts: batch 8, 128k, 16 splits against 8:
-      Llama 4bit_nc 338.1 against 340.3 us, gpt-oss 219.9 against 224.1 (batch 1: 128 against 64 splits is
-      slower, and `split_count` keeps 64 there). `bench/results_probe_tq_warp_splits_*_h200.json`.
+    - The per-warp kernel takes two waves of splits when each split keeps >= 128 tiles: batch 8, 128k, 16
+      splits against 8: Llama 4bit_nc 339.9 against 342.6 us, k3v4_nc 334.0 against 339.2, gpt-oss 221.5
+      against 223.9 and 216.0 against 216.3; at 64k (64 tiles per split) two waves were slower: 181.4
+      against 178.2, 176.2 against 178.2, 119.2 against 116.1, 117.4 against 113.8 (batch 1: 128 against 64
+      splits is slower, and `split_count` keeps 64 there). `bench/results_probe_tq_warp_{splits,waves}_*_h200.json`.
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles (Llama layer 498 us against 568 for 64).
     - else 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for 128).
     At head_dim 128, 64-token tiles are otherwise capped at 128 registers: 4 programs per SM, no spills.
@@ -547,9 +551,9 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     cap = 128 if head_dim >= 128 else None
     if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc"):
         return TQGluonConfig(block_n=64, maxnreg=cap, per_warp=True, pages_ahead=1 if head_dim >= 128 else 2,
-                             lazy_max=fmt == "turboquant_4bit_nc", split_waves=(2,))
+                             lazy_max=fmt == "turboquant_4bit_nc", split_waves=(2,), split_wave_tiles=128)
     if fmt == "turboquant_3bit_nc" and head_dim >= 128:
-        return TQGluonConfig(block_n=64, per_warp=True, split_waves=(2,))
+        return TQGluonConfig(block_n=64, per_warp=True, split_waves=(2,), split_wave_tiles=128)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=cap)

@@ -336,6 +336,11 @@ def test_split_count_fills_whole_waves(monkeypatch: pytest.MonkeyPatch) -> None:
     # the split counts its H200 sweep found best (4 at batch 8, 32 at batch 1)
     assert [da.split_count(8, 8, n, 128, 2.0, gpu, waves=()) for n in (16384, 131072)] == [4, 4]
     assert [da.split_count(1, 8, n, 128, 2.0, gpu, waves=()) for n in (16384, 131072)] == [32, 32]
+    # the TurboQuant per-warp kernel (4 programs per SM, 64-token tiles): a second wave only once each split
+    # keeps 128 tiles (at 64k, 16 splits of 64 tiles were slower than 8 on the H200; at 128k faster)
+    per_warp = [da.split_count(8, 8, n, 64, 4.0, gpu, waves=(2,), wave_tiles=128) for n in (65536, 131072)]
+    assert per_warp == [8, 16]
+    assert [da.split_count(8, 8, n, 64, 4.0, gpu, waves=(2,)) for n in (65536, 131072)] == [16, 16]
 
 
 def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,8 +83,7 @@ def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages
 
 
 def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bool = True,
-                     maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2,
-                     l2_prefetch: bool = False):
+                     maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2):
     """The Gluon TurboQuant kernel (kernels/tq_gluon.py; per_warp: kernels/tq_warp.py, 64-token tiles) for
     `fmt`, 8 KV heads, planar pages, split, no sinks."""
     from kvpolicy.kernels import tq_gluon as tg
@@ -99,7 +98,7 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
 
         fn = tw._tq_warp_kernel
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-        constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"]), L2_PREFETCH=l2_prefetch)
+        constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"]))
     pointers = {"q_ptr": "*fp16", "order_ptr": "*i32", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
@@ -199,15 +198,13 @@ def main() -> None:
     ap.add_argument("--tq-gluon", metavar="FORMAT", help="count the Gluon TurboQuant kernel (planar pages) instead")
     ap.add_argument("--exact-max", action="store_true", help="Gluon TurboQuant: TQGluonConfig.lazy_max off")
     ap.add_argument("--per-warp", action="store_true", help="Gluon TurboQuant: the per-warp kernel (tq_warp.py)")
-    ap.add_argument("--l2-prefetch", action="store_true", help="per-warp kernel: TQGluonConfig.l2_prefetch")
     ap.add_argument("--pages-ahead", type=int, default=2, help="Gluon TurboQuant: TQGluonConfig.pages_ahead")
     ap.add_argument("--prefetch", action="store_true", help="TurboQuant: register prefetch of the next tile")
     ap.add_argument("--slot", type=int, help="TurboQuant: slot stride in bytes (padding experiments)")
     ap.add_argument("--dump", help="write the full SASS here")
     a = ap.parse_args()
     if a.tq_gluon:
-        k = compile_tq_gluon(a.tq_gluon, a.head_dim, a.block_n, a.group, not a.exact_max, a.maxnreg, a.per_warp, a.pages_ahead,
-                             a.l2_prefetch)
+        k = compile_tq_gluon(a.tq_gluon, a.head_dim, a.block_n, a.group, not a.exact_max, a.maxnreg, a.per_warp, a.pages_ahead)
     elif a.tq:
         k = compile_tq(a.tq, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, a.prefetch, a.maxnreg, a.slot)
     else:

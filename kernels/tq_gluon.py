@@ -520,8 +520,6 @@ class TQGluonConfig:
     none: one wave."""
     split_wave_tiles: int = 64
     """Tiles each split keeps when the split count takes more waves (`split_count`'s `wave_tiles`)."""
-    l2_prefetch: bool = False
-    """Per-warp kernel: prefetch each warp's page of the tile after next into L2 (`tq_warp._prefetch_l2`)."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:

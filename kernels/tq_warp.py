@@ -268,23 +268,6 @@ def _pages_w(bt_row, tile, seq_len):
     return gl.load(bt_row + tile * 4 + w, mask=(tile * 4 + w) * 16 < seq_len, other=0)
 
 
-PF = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
-"""[warp, lane]: one element per thread, for the L2 prefetch of a warp's page."""
-_PREFETCH_ASM = gl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.b32 $0, 0;\n}")
-
-
-@gluon.jit
-def _prefetch_l2(cache32_ptr, pw, kvh, NUM_KV: gl.constexpr, SLOT: gl.constexpr):
-    """Ask L2 for the 16 SLOT bytes of each warp's page `pw` (one 128-byte line per lane), so that the register
-    loads of that tile, a tile later, find them there. No registers are held for it (unlike loading a tile's
-    bytes two tiles ahead, which was slower)."""
-    base = gl.convert_layout((pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT), gl.SliceLayout(1, PF))
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, PF))
-    ptrs = cache32_ptr + base[:, None] + (lane * 32)[None, :]
-    on = (lane * 128 < 16 * SLOT + 127).to(gl.int32)[None, :] + gl.zeros([4, 32], gl.int32, PF)
-    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptrs, on], dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.jit
 def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
@@ -401,8 +384,8 @@ def _tq_warp_kernel(
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
     VB: gl.constexpr, NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr, I8_SCALE: gl.constexpr,
-    PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, L2_PREFETCH: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
@@ -444,8 +427,6 @@ def _tq_warp_kernel(
     # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
     table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
     pw = _pages_w(bt_row, tile_lo + 1, seq_len)
-    if L2_PREFETCH:
-        pf = _pages_w(bt_row, tile_lo + 2, seq_len)
     for tile in range(tile_lo, tile_hi):
         if PAGES_AHEAD == 1:
             pw = _pages_w(bt_row, tile + 1, seq_len)
@@ -454,10 +435,6 @@ def _tq_warp_kernel(
                                                               K3_LAYOUT, V3_LAYOUT)
         if PAGES_AHEAD == 2:
             pw = _pages_w(bt_row, tile + 2, seq_len)
-        if L2_PREFETCH:
-            # tile + 2 into L2 (its entries loaded a tile ago), then the entries of tile + 3
-            _prefetch_l2(cache32_ptr, pf, kvh, NUM_KV, SLOT)
-            pf = _pages_w(bt_row, tile + 3, seq_len)
         if (tile * BN < start) | (tile * BN + BN > seq_len):
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
@@ -535,8 +512,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"]),
-        PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, L2_PREFETCH=cfg.l2_prefetch,
-        HAS_WINDOW=sliding_window is not None,
+        PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1:

@@ -119,16 +119,14 @@ def test_gluon_routing_says_why(device: str) -> None:
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("d, hq", SHAPES)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
-@pytest.mark.parametrize("maxnreg, ahead, l2", [(None, 2, False), (128, 2, False), (None, 1, False), (None, 2, True)],
-                         ids=["uncapped", "cap128", "ahead1", "l2prefetch"])
+@pytest.mark.parametrize("maxnreg, ahead", [(None, 2), (128, 2), (None, 1)])
 def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool, splits, maxnreg,
-                                           ahead: int, l2: bool, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                           ahead: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`tq_warp`'s per-warp mma.sync kernel against the float64 reference over the int8 centroids, the shapes
-    of the warpgroup kernel's test, with and without a register cap, pages loaded one or two tiles ahead,
-    with and without the L2 prefetch (which must change nothing but timing)."""
+    of the warpgroup kernel's test, with and without a register cap, pages loaded one or two tiles ahead."""
     from kvpolicy.kernels import tq_gluon
 
-    cfg = tq_gluon.TQGluonConfig(block_n=64, per_warp=True, maxnreg=maxnreg, pages_ahead=ahead, l2_prefetch=l2)
+    cfg = tq_gluon.TQGluonConfig(block_n=64, per_warp=True, maxnreg=maxnreg, pages_ahead=ahead)
     _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
 
 

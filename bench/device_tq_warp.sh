@@ -16,9 +16,13 @@
 #            probe of the lazy against the exact max, pages one or two tiles ahead, both layers;
 #   splits:  4bit_nc in the per-warp kernel with the lazy max at 0.5-4.125x the default split count;
 #   waves:   the per-warp defaults at 64k and 128k, batch 8, with one wave of splits against two;
+#   profile19: Nsight Compute profiles of the default (per-warp, lazy) 4bit_nc at 128k: gpt-oss batch 8
+#            and 1, Llama batch 8;
+#   (an `l2` mode probed an L2 prefetch of each warp's page two tiles ahead, on 91650d6:
+#            bench/results_probe_tq_warp_l2_*_h200.json; within 1-2%, reverted, the option is gone);
 #   evidence: the evidence run (all rows, batch 8) and the Gluon rows at batch 1, files tagged TAG.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 if [ "$2" = test ]; then
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp or pages_one_tile" -p no:cacheprovider \
@@ -97,6 +101,11 @@ elif [ "$2" = waves ]; then
   timeout 100 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_k3v4_nc $p --lazy 0 --maxnreg 0 \
     --pages-ahead 2 --out "$out/probe_waves_gptoss3.json" 2>&1 | grep -v picked > "$out/probe_4.log"
   cat "$out"/probe_*.log
+elif [ "$2" = profile19 ]; then
+  for c in "gpt-oss-20b 8" "gpt-oss-20b 1" "llama-3.1-8b 8"; do
+    set -- $c
+    PROFILE_TAG=_s19_$1_b$2 PROFILE_ARGS="--context 131072 --geometry $1 --batch $2" timeout 150 bash bench/profile_gpu.sh "$out" turboquant_4bit_nc_gl
+  done
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

@@ -16,6 +16,21 @@ from kvpolicy.kernels.tq_warp import (
 )
 
 
+def _halves(o: torch.Tensor) -> torch.Tensor:
+    """`tq_warp._halves` on emulated words: [..., 2] (low half, high half)."""
+    return torch.stack([o & 0xFFFF, o >> 16], dim=-1)
+
+
+def _join(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`gl.join`: a new innermost axis."""
+    return torch.stack([x, y], dim=-1)
+
+
+def _join8(h: list[torch.Tensor]) -> torch.Tensor:
+    """The value operands' nested joins of eight program outputs' halves (`_values_operand`)."""
+    return _join(_join(_join(h[0], h[1]), _join(h[2], h[3])), _join(_join(h[4], h[5]), _join(h[6], h[7])))
+
+
 def _words(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 4n] -> little-endian int64 words [..., n]."""
     b = packed.to(torch.int64)
@@ -47,12 +62,8 @@ def test_values_operand_holds_each_tokens_codes_in_row_order(d: int) -> None:
     a, b = vc[0::2], vc[1::2]  # reshape [32, 2, d/8], permute, split: tokens 2p and 2p + 1
     regs = emulate_ptx(v_pair_program(), {"$8": a, "$9": b})
 
-    def halves(o):  # `_halves`
-        return torch.stack([o & 0xFFFF, o >> 16], dim=-1)
-
-    h = [halves(regs[f"${i}"]) for i in range(8)]
-    j = lambda x, y: torch.stack([x, y], dim=-1)  # gl.join
-    y = j(j(j(h[0], h[1]), j(h[2], h[3])), j(j(h[4], h[5]), j(h[6], h[7])))
+    h = [_halves(regs[f"${i}"]) for i in range(8)]
+    y = _join8(h)
     y = y.reshape(4, 2, 4, 8, d // 64, 2, 2, 2, 2).permute(0, 4, 8, 7, 6, 3, 1, 2, 5).reshape(4, d, 16)
     m = torch.arange(d)
     want = codes.reshape(4, 16, d)[:, :, dim_of_row(d)].permute(0, 2, 1) << (4 * ((m // 8) % 2))[None, :, None]
@@ -101,15 +112,10 @@ def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int) -> None:
     regs = emulate_ptx(v3_pair_program(pairs), {f"${8 * pairs}": v2[0::2], f"${8 * pairs + 1}": v2[1::2],
                                                  f"${8 * pairs + 2}": v1[0::2], f"${8 * pairs + 3}": v1[1::2]})
 
-    def halves(o):  # `_halves`
-        return torch.stack([o & 0xFFFF, o >> 16], dim=-1)
-
-    h = [halves(regs[f"${i}"]) for i in range(8 * pairs)]
-    j = lambda x, y: torch.stack([x, y], dim=-1)  # gl.join
-    eight = [j(j(j(h[i], h[i + 1]), j(h[i + 2], h[i + 3])), j(j(h[i + 4], h[i + 5]), j(h[i + 6], h[i + 7])))
-             for i in range(0, 8 * pairs, 8)]
+    h = [_halves(regs[f"${i}"]) for i in range(8 * pairs)]
+    eight = [_join8(h[i:i + 8]) for i in range(0, 8 * pairs, 8)]
     if d == 128:
-        y = j(eight[0], eight[1]).reshape(4, 2, 4, 8, 2, 2, 2, 2, 2).permute(0, 6, 5, 8, 7, 3, 1, 2, 4)
+        y = _join(eight[0], eight[1]).reshape(4, 2, 4, 8, 2, 2, 2, 2, 2).permute(0, 6, 5, 8, 7, 3, 1, 2, 4)
     else:
         y = eight[0].reshape(4, 2, 4, 8, 2, 2, 2, 2).permute(0, 6, 5, 7, 3, 1, 2, 4)
     y = y.reshape(4, d, 16)

@@ -24,18 +24,21 @@
 set -u
 out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
+evidence_run() {  # TAG: the evidence run (every row, batch 8) and the Gluon rows at batch 1
+  timeout 360 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
+    --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
+    --out "$out/results_decode_h200_evidence_$1.json" > "$out/results_decode_h200_evidence_$1.log" 2>&1
+  grep -E "gl: |TB/s" "$out/results_decode_h200_evidence_$1.log" | tail -24
+  timeout 100 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
+    --skip-accuracy --out "$out/results_decode_h200_tq_gluon_$1.json" > "$out/results_decode_h200_tq_gluon_$1.log" 2>&1
+  grep -E "gl: " "$out/results_decode_h200_tq_gluon_$1.log" | tail -12
+}
 if [ "$2" = test ]; then
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp or pages_one_tile" -p no:cacheprovider \
     > "$out/pytest.log" 2>&1; tail -5 "$out/pytest.log"
 elif [ "$2" = final ]; then
-  gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
-  timeout 330 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
-    --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
-    --out "$out/results_decode_h200_evidence_tq12.json" > "$out/results_decode_h200_evidence_tq12.log" 2>&1
-  grep -E "gl: |TB/s" "$out/results_decode_h200_evidence_tq12.log" | tail -24
-  timeout 80 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
-    --skip-accuracy --out "$out/results_decode_h200_tq_gluon12.json" > "$out/results_decode_h200_tq_gluon12.log" 2>&1
-  grep -E "gl: " "$out/results_decode_h200_tq_gluon12.log" | tail -12
+  evidence_run tq12  # session 18 ran this before the names were unified: its batch-1 files are ..._tq_gluon12
   timeout 60 python3 bench/probe_tq_gluon.py --formats turboquant_k8v4 --contexts 131072 --batch 1,8 \
     --block-n 64,128 --pages-ahead 1,2 --split-scale 1,2 --out "$out/probe_k8v4_pages.json" 2>&1 | grep -v picked > "$out/probe.log"
   tail -12 "$out/probe.log"
@@ -49,13 +52,8 @@ elif [ "$2" = d64 ]; then
   timeout 60 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_4bit_nc,turboquant_k3v4_nc \
     --contexts 131072 --batch 1,8 --block-n 64 --per-warp 1 --maxnreg 0,96,104 --pages-ahead 2 --split-scale 1,2 \
     --out "$out/probe_d64_caps.json" 2>&1 | grep -v picked > "$out/probe.log"; cat "$out/probe.log"
-  gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
-  timeout 170 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
-    --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
-    --out "$out/results_decode_h200_evidence_tq13.json" > "$out/results_decode_h200_evidence_tq13.log" 2>&1
-  timeout 50 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
-    --skip-accuracy --out "$out/results_decode_h200_tq_gluon13.json" > "$out/results_decode_h200_tq_gluon13.log" 2>&1
-  grep -E "^\| 131072" "$out"/results_decode_h200_*13.log
+  evidence_run tq13  # likewise ..._tq_gluon13 in session 18
+  grep -E "^\| 131072" "$out"/results_decode_h200_*tq13.log
 elif [ "$2" = lazy ]; then
   timeout 200 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \
     > "$out/pytest.log" 2>&1; tail -3 "$out/pytest.log"
@@ -81,15 +79,7 @@ elif [ "$2" = splits ]; then
     --out "$out/probe_splits_gptoss.json" 2>&1 | grep -v picked > "$out/probe_gptoss.log"
   cat "$out"/probe_*.log
 elif [ "$2" = evidence ]; then
-  t=${TAG:?set TAG, e.g. tq14}
-  gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
-  timeout 360 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
-    --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
-    --out "$out/results_decode_h200_evidence_$t.json" > "$out/results_decode_h200_evidence_$t.log" 2>&1
-  grep -E "gl: |TB/s" "$out/results_decode_h200_evidence_$t.log" | tail -24
-  timeout 100 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 --batch 1 \
-    --skip-accuracy --out "$out/results_decode_h200_tq_gluon_$t.json" > "$out/results_decode_h200_tq_gluon_$t.log" 2>&1
-  grep -E "gl: " "$out/results_decode_h200_tq_gluon_$t.log" | tail -12
+  evidence_run "${TAG:?set TAG, e.g. tq14}"
 elif [ "$2" = waves ]; then
   p="--contexts 65536,131072 --batch 8 --block-n 64 --per-warp 1 --split-scale 1,2"
   timeout 100 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b --formats turboquant_4bit_nc $p --lazy 1 --maxnreg 128 \

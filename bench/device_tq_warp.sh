@@ -21,8 +21,11 @@
 #   (an `l2` mode probed an L2 prefetch of each warp's page two tiles ahead, on 91650d6:
 #            bench/results_probe_tq_warp_l2_*_h200.json; within 1-2%, reverted, the option is gone);
 #   evidence: the evidence run (all rows, batch 8) and the Gluon rows at batch 1, files tagged TAG.
+# session 20:
+#   ppw:     GPU tests of the per-warp kernel (one and two pages per warp), then the probe of two pages per
+#            warp (128-token tiles) against one, both layers, 128k.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 evidence_run() {  # TAG: the evidence run (every row, batch 8) and the Gluon rows at batch 1
@@ -77,6 +80,19 @@ elif [ "$2" = splits ]; then
     --out "$out/probe_splits_llama.json" 2>&1 | grep -v picked > "$out/probe_llama.log"
   timeout 120 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b $p --maxnreg 0 --pages-ahead 2 \
     --out "$out/probe_splits_gptoss.json" 2>&1 | grep -v picked > "$out/probe_gptoss.log"
+  cat "$out"/probe_*.log
+elif [ "$2" = ppw ]; then
+  timeout 330 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \
+    > "$out/pytest_ppw.log" 2>&1; tail -3 "$out/pytest_ppw.log"
+  p="--contexts 131072 --batch 1,8 --per-warp 1 --split-scale 1,2"
+  timeout 70 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_4bit_nc $p --lazy 1 \
+    --block-n 64,128 --maxnreg 0,128 --pages-ahead 2 --out "$out/probe_ppw_gptoss4.json" 2>&1 | grep -v picked > "$out/probe_1.log"
+  timeout 60 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_k3v4_nc $p --lazy 0 \
+    --block-n 64,128 --maxnreg 0,136 --pages-ahead 2 --out "$out/probe_ppw_gptoss3.json" 2>&1 | grep -v picked > "$out/probe_2.log"
+  timeout 50 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b --formats turboquant_4bit_nc $p --lazy 1 \
+    --block-n 64,128 --maxnreg 128 --pages-ahead 1 --out "$out/probe_ppw_llama4.json" 2>&1 | grep -v picked > "$out/probe_3.log"
+  timeout 50 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b --formats turboquant_4bit_nc,turboquant_3bit_nc $p \
+    --lazy 1 --block-n 128 --maxnreg 0 --pages-ahead 2 --out "$out/probe_ppw_llama_uncapped.json" 2>&1 | grep -v picked > "$out/probe_4.log"
   cat "$out"/probe_*.log
 elif [ "$2" = evidence ]; then
   evidence_run "${TAG:?set TAG, e.g. tq14}"

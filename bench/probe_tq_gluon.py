@@ -68,7 +68,7 @@ def main() -> None:
                             map(int, args.maxnreg.split(",")), map(int, args.block_n.split(",")),
                             map(int, args.lazy.split(",")), map(int, args.per_warp.split(",")),
                             map(int, args.pages_ahead.split(","))):
-                        if per_warp and (fmt not in tq_warp.FORMATS or block_n != 64):
+                        if per_warp and fmt not in tq_warp.FORMATS:
                             continue
                         cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None, lazy_max=bool(lazy),
                                                per_warp=bool(per_warp), pages_ahead=ahead)

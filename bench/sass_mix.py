@@ -98,7 +98,7 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
 
         fn = tw._tq_warp_kernel
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-        constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"]))
+        constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n))
     pointers = {"q_ptr": "*fp16", "order_ptr": "*i32", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}

@@ -505,8 +505,8 @@ class TQGluonConfig:
     maxnreg: int | None = None
     """Register cap per thread (None: the compiler's choice)."""
     per_warp: bool = False
-    """Run `tq_warp.decode_tq_warp` instead (`tq_warp.FORMATS`, 64-token tiles): each warp its own 16 tokens
-    with mma.sync, no barrier per tile."""
+    """Run `tq_warp.decode_tq_warp` instead (`tq_warp.FORMATS`): each warp its own pages of every tile with
+    mma.sync, no barrier per tile; one page (16 tokens) per warp with 64-token tiles, two with 128."""
     pages_ahead: int = 2
     """How many tiles ahead the block-table entries load (1 or 2). Each tile's loads need its entries; at 1 the
     warp stalled on them before issuing the loads (Nsight Compute, NOTES_TQ.md tenth session)."""
@@ -583,7 +583,7 @@ def programs_per_sm(fmt: str, head_dim: int, device: torch.device, cfg: TQGluonC
     if cfg.per_warp:
         from kvpolicy.kernels import tq_warp
 
-        regs = cfg.maxnreg or tq_warp.REGISTERS.get(fmt, {}).get(head_dim, 255)
+        regs = cfg.maxnreg or tq_warp.REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n), 255)
         return resident_programs(regs, tq_warp.smem_bytes(head_dim), 4, device)
     regs = cfg.maxnreg or REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n), 255)
     return resident_programs(regs, smem_bytes(head_dim, cfg), 4, device)

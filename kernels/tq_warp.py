@@ -48,22 +48,40 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-BN = gl.constexpr(64)
-"""Tokens per tile: 16 per warp, one page each."""
-
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
 QA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
 KB8 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
 VA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
 PB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
 _UNSUB = gl.constexpr(1.0 / SUBNORMAL_UNIT)
-XL = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 0, 8]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, 16]))
-"""Scores and P [warp, head, token]: head g in lane group g, tokens 2c, 2c + 1, 8 + 2c, 9 + 2c in thread c of
-it (the mma.sync accumulator's rows g (hi) and 8 + g (lo) combined)."""
-ROWL = gl.constexpr(gl.SliceLayout(2, XL.value))
-TOKL = gl.constexpr(gl.SliceLayout(1, XL.value))
+PAGE = 16
+"""Tokens per page: each warp owns `pages_per_warp(block_n)` whole pages of every tile."""
+
+
+def pages_per_warp(block_n: int) -> int:
+    """Pages each of the 4 warps takes per tile: 1 for 64-token tiles, 2 for 128 (twice the independent loads and
+    MMAs per online-softmax step)."""
+    if block_n not in (64, 128):
+        raise ValueError(f"the per-warp kernel takes 64- or 128-token tiles, not {block_n}")
+    return block_n // (4 * PAGE)
+
+
+def score_layout(ppw: int) -> gl.DistributedLinearLayout:
+    """Scores and P [warp, head, token of the warp's 16 ppw]: head g in lane group g, tokens 16 pg + {2c, 2c + 1,
+    8 + 2c, 9 + 2c} in thread c of it (the mma.sync accumulator's rows g (hi) and 8 + g (lo) combined)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 8]] + ([[0, 0, 16]] if ppw == 2 else []),
+        lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, PAGE * ppw])
+
+
+def field_layout(ppw: int) -> gl.DistributedLinearLayout:
+    """The fp16 fields [warp, page, token] (`score_layout`'s token axis split as [page, row], heads dropped)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 8]] + ([[0, 1, 0]] if ppw == 2 else []),
+        lane_bases=[[0, 0, 2], [0, 0, 4], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, ppw, PAGE])
+
 
 def v_pair_program() -> list:
     """Two tokens' value words $8 (token a), $9 (token b) (byte j: dims j (low nibble) and D/2 + j (high)) ->
@@ -127,39 +145,47 @@ _RESCALE_CONSTRAINTS_128 = gl.constexpr(",".join(["=f"] * 32 + ["f"] * 64))
 _RESCALE_CONSTRAINTS_64 = gl.constexpr(",".join(["=f"] * 16 + ["f"] * 32))
 
 
-def value_layout(head_dim: int) -> gl.DistributedLinearLayout:
-    """Register layout of a tile's value code words [64, D/8]: thread (g, c) of warp w holds words
-    [E g, E g + E) (E = D/64: its 8 or 4 bytes) of tokens 16 w + {2c, 2c + 1, 8 + 2c, 9 + 2c}, the tokens of
-    its P^T B-operand rows."""
-    e = head_dim // 64
-    return gl.DistributedLinearLayout(
-        reg_bases=([[0, 1]] if e == 2 else []) + [[1, 0], [8, 0]],
-        lane_bases=[[2, 0], [4, 0], [0, e], [0, 2 * e], [0, 4 * e]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BN, head_dim // 8])
-
-
-def key_layout3(key_bytes: int) -> gl.DistributedLinearLayout:
-    """`tq_gluon.key_layout(64, key_bytes)` with the token axis split as [warp, row]: [4, 16, key_bytes / 4]."""
+def key_layout4(key_bytes: int, ppw: int) -> gl.DistributedLinearLayout:
+    """Key code words of one plane [warp, page, row, key_bytes / 4] in memory order (`tq_gluon.key_layout` with
+    the token axis split): each thread a contiguous quarter of rows r, r + 8 of each of its warp's pages."""
     cw = key_bytes // 16
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1 << k] for k in range(cw.bit_length() - 1)] + [[0, 8, 0]],
-        lane_bases=[[0, 0, cw], [0, 0, 2 * cw], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, key_bytes // 4])
+        reg_bases=[[0, 0, 0, 1 << k] for k in range(cw.bit_length() - 1)] + [[0, 0, 8, 0]]
+        + ([[0, 1, 0, 0]] if ppw == 2 else []),
+        lane_bases=[[0, 0, 0, cw], [0, 0, 0, 2 * cw], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+        warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, ppw, PAGE, key_bytes // 4])
 
 
-def value_layout3(head_dim: int) -> gl.DistributedLinearLayout:
-    """`value_layout` with the token axis split as [warp, row]: [4, 16, D/8]."""
+def value_layout4(head_dim: int, ppw: int) -> gl.DistributedLinearLayout:
+    """Value code words [warp, page, row, D/8]: thread (g, c) holds words [E g, E g + E) (E = D/64: its 8 or 4
+    bytes) of rows {2c, 2c + 1, 8 + 2c, 9 + 2c} of each of its warp's pages, the tokens of its P^T B-operand
+    rows."""
     e = head_dim // 64
     return gl.DistributedLinearLayout(
-        reg_bases=([[0, 0, 1]] if e == 2 else []) + [[0, 1, 0], [0, 8, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, e], [0, 0, 2 * e], [0, 0, 4 * e]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, head_dim // 8])
+        reg_bases=([[0, 0, 0, 1]] if e == 2 else []) + [[0, 0, 1, 0], [0, 0, 8, 0]] + ([[0, 1, 0, 0]] if ppw == 2 else []),
+        lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 0, e], [0, 0, 0, 2 * e], [0, 0, 0, 4 * e]],
+        warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, ppw, PAGE, head_dim // 8])
 
 
-def layouts(key_bytes: int, head_dim: int, value_bits: int) -> dict:
-    """The kernel's load layouts (constexprs K3_LAYOUT, V3_LAYOUT): 3-bit values are 8 words per token, one per
-    thread g, at any head_dim (`_load_w`)."""
-    return dict(K3_LAYOUT=key_layout3(key_bytes), V3_LAYOUT=value_layout3(head_dim if value_bits == 4 else 64))
+def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, order) that relabel the value program's joined outputs [token pairs, words, (program axes)] as
+    V_w^T's [warp, row, column] axes (`_values_operand`, `_values_operand3`; replayed by test_tq_warp.py).
+    Pair axes (w, pg, r8, c): tokens 16 pg + 8 r8 + 2 c + hh of warp w; column = 16 pg + 8 r8 + 2 c + hh."""
+    if value_bits == 4:  # (w, pg, r8, c, g, e, hh, u, tt, q) -> (w, e, q, tt, u, g, pg, r8, c, hh)
+        return (4, ppw, 2, 4, 8, head_dim // 64, 2, 2, 2, 2), (0, 5, 9, 8, 7, 4, 1, 2, 3, 6)
+    if head_dim == 128:  # (w, pg, r8, c, g, hh, s0, s1, tt, q) -> (w, s1, s0, q, tt, g, pg, r8, c, hh)
+        return (4, ppw, 2, 4, 8, 2, 2, 2, 2, 2), (0, 7, 6, 9, 8, 4, 1, 2, 3, 5)
+    # (w, pg, r8, c, g, hh, s0, s1, tt) -> (w, s1, s0, tt, g, pg, r8, c, hh)
+    return (4, ppw, 2, 4, 8, 2, 2, 2, 2), (0, 7, 6, 8, 4, 1, 2, 3, 5)
+
+
+def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64) -> dict:
+    """The kernel's tile constexprs: BN, PPW, the score, field and load layouts (3-bit values are 8 words per
+    token, one per thread g, at any head_dim: `_load_w`) and the value operand's relabelling."""
+    ppw = pages_per_warp(block_n)
+    v_shape, v_order = value_axes(head_dim, value_bits, ppw)
+    return dict(BN=block_n, PPW=ppw, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout4(key_bytes, ppw),
+                V_LAYOUT=value_layout4(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order)
 
 
 def dim_of_row(head_dim: int, value_bits: int = 4) -> torch.Tensor:
@@ -187,8 +213,8 @@ def value_unit(head_dim: int, value_bits: int = 4) -> torch.Tensor:
 @gluon.jit
 def _keys_operand(kc, ks, table, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: gl.constexpr,
                   KEY_BITS: gl.constexpr):
-    """Key code words [BN, KBM/4] (`tq_gluon.key_layout`; 3-bit keys: the 2-bit plane's words, and in `ks` the
-    matching 1-bit words) -> the int8 B operand K_w^T [4, D, 16]: output g of word m of thread c at
+    """Key code words [BN, KBM/4] (`key_layout4` flattened; 3-bit keys: the 2-bit plane's words, and in `ks` the
+    matching 1-bit words) -> the int8 B operand K_w^T [4, D, BN/4]: output g of word m of thread c at
     K = 16 (m G + g) + 4 c + i (`turboquant.int8_operand_order`, G = 2 or 4 outputs per code byte)."""
     W: gl.constexpr = KBM // 4
     if KEY_BITS == 4:
@@ -204,7 +230,7 @@ def _keys_operand(kc, ks, table, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: 
         G: gl.constexpr = 4
     M: gl.constexpr = KBM // 16
     y = gl.permute(gl.reshape(t, [BN, 4, M, 4, G]), (0, 2, 4, 1, 3))
-    return gl.convert_layout(gl.permute(gl.reshape(y, [4, 16, HEAD_DIM]), (0, 2, 1)), KB8)
+    return gl.convert_layout(gl.permute(gl.reshape(y, [4, BN // 4, HEAD_DIM]), (0, 2, 1)), KB8)
 
 
 @gluon.jit
@@ -216,30 +242,29 @@ def _halves(w):
 
 
 @gluon.jit
-def _values_operand(vc, HEAD_DIM: gl.constexpr):
-    """Value code words [64, D/8] (`value_layout`) -> the fp16 A operand V_w^T [4, D, 16] of exact subnormals
-    (16^u x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row`, column = token 8 r8 + 2 c + h."""
-    E: gl.constexpr = HEAD_DIM // 64
-    a, b = gl.split(gl.permute(gl.reshape(vc, [32, 2, HEAD_DIM // 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
+def _values_operand(vc, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr):
+    """Value code words [BN, D/8] (`value_layout4` flattened) -> the fp16 A operand V_w^T [4, D, BN/4] of exact
+    subnormals (16^u x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row`, column = the warp's token
+    16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
+    a, b = gl.split(gl.permute(gl.reshape(vc, [BN // 2, 2, HEAD_DIM // 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
     o = gl.inline_asm_elementwise(_V_PAIR_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [a, b], dtype=(gl.int32,) * 8,
                                   is_pure=True, pack=1)
     # output (q 2 + tt) 2 + u; its halves (token a, token b) as the innermost axis hh. `join` adds its axis
     # last, so the nesting below puts the axes in the order (hh, u, tt, q) after the pair and word axes.
     y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
                 gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
-    # [32 pairs (w, r8, c), D/8 words (g, e), hh, u, tt, q]
-    y = gl.reshape(y, [4, 2, 4, 8, E, 2, 2, 2, 2])
-    y = gl.permute(y, (0, 4, 8, 7, 6, 3, 1, 2, 5))  # (w, e, q, tt, u, g, r8, c, hh)
-    return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, 16]), VA)
+    y = gl.permute(gl.reshape(y, V_SHAPE.value), V_ORDER.value)
+    return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, BN // 4]), VA)
 
 
 @gluon.jit
-def _values_operand3(v2, v1, HEAD_DIM: gl.constexpr):
-    """3-bit value words [64, 8] (`value_layout3(64)` flattened; `_load_w`) -> the fp16 A operand V_w^T [4, D, 16]
-    of exact subnormals (4^s x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row(D, 3)`, column = token
-    8 r8 + 2 c + hh."""
-    a2, b2 = gl.split(gl.permute(gl.reshape(v2, [32, 2, 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
-    a1, b1 = gl.split(gl.permute(gl.reshape(v1, [32, 2, 8]), (0, 2, 1)))
+def _values_operand3(v2, v1, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr,
+                     V_ORDER: gl.constexpr):
+    """3-bit value words [BN, 8] (`value_layout4(64)` flattened; `_load_w`) -> the fp16 A operand V_w^T
+    [4, D, BN/4] of exact subnormals (4^s x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row(D, 3)`, column
+    = the warp's token 16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
+    a2, b2 = gl.split(gl.permute(gl.reshape(v2, [BN // 2, 2, 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
+    a1, b1 = gl.split(gl.permute(gl.reshape(v1, [BN // 2, 2, 8]), (0, 2, 1)))
     if HEAD_DIM == 128:
         o = gl.inline_asm_elementwise(_V3_PAIR_ASM_128, _V3_CONSTRAINTS_128, [a2, b2, a1, b1],
                                       dtype=(gl.int32,) * 16, is_pure=True, pack=1)
@@ -248,95 +273,99 @@ def _values_operand3(v2, v1, HEAD_DIM: gl.constexpr):
                      gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
         y1 = gl.join(gl.join(gl.join(_halves(o[8]), _halves(o[9])), gl.join(_halves(o[10]), _halves(o[11]))),
                      gl.join(gl.join(_halves(o[12]), _halves(o[13])), gl.join(_halves(o[14]), _halves(o[15]))))
-        y = gl.reshape(gl.join(y0, y1), [4, 2, 4, 8, 2, 2, 2, 2, 2])  # (w, r8, c, g, hh, s0, s1, tt, q)
-        y = gl.permute(y, (0, 6, 5, 8, 7, 3, 1, 2, 4))  # (w, s1, s0, q, tt, g, r8, c, hh)
+        y = gl.join(y0, y1)
     else:
         o = gl.inline_asm_elementwise(_V3_PAIR_ASM_64, _V3_CONSTRAINTS_64, [a2, b2, a1, b1],
                                       dtype=(gl.int32,) * 8, is_pure=True, pack=1)
         y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
                     gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
-        y = gl.reshape(y, [4, 2, 4, 8, 2, 2, 2, 2])  # (w, r8, c, g, hh, s0, s1, tt)
-        y = gl.permute(y, (0, 6, 5, 7, 3, 1, 2, 4))  # (w, s1, s0, tt, g, r8, c, hh)
-    return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, 16]), VA)
+    y = gl.permute(gl.reshape(y, V_SHAPE.value), V_ORDER.value)
+    return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, BN // 4]), VA)
 
 
 @gluon.jit
-def _pages_w(bt_row, tile, seq_len):
-    """Warp w's page of tile `tile`: one block-table entry per warp (page 0 past the sequence, masked later).
-    Loaded two tiles ahead: every load of a tile's bytes waits for it."""
-    w = gl.arange(0, 4, layout=gl.SliceLayout(1, TOKL))
-    return gl.load(bt_row + tile * 4 + w, mask=(tile * 4 + w) * 16 < seq_len, other=0)
+def _pages_w(bt_row, tile, seq_len, PPW: gl.constexpr, FL: gl.constexpr):
+    """Warp w's pages of tile `tile` [4, PPW]: entries PPW (tile 4 + w) + pg of the block table (page 0 past the
+    sequence, masked later). Loaded ahead: every load of a tile's bytes waits for them."""
+    pl: gl.constexpr = gl.SliceLayout(2, FL)
+    e = ((tile * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, pl))) * PPW)[:, None] \
+        + gl.arange(0, PPW, layout=gl.SliceLayout(0, pl))[None, :]
+    return gl.load(bt_row + e, mask=e * 16 < seq_len, other=0)
 
 
 @gluon.jit
 def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
-            VB: gl.constexpr, NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr):
-    """A tile's bytes, each warp its page `pw` (`_pages_w`): key code words [64, KBM/4] (`tq_gluon.key_layout`;
-    3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words (4-bit:
-    [64, D/8], `value_layout`; 3-bit: [64, 8], a word of the 2-bit plane and one of the 1-bit plane per
-    thread and token, else 0), the fp16 fields [4, 16] in the score columns' layout."""
-    base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # the page's first 32-bit word
-    # keys: rows r, r + 8 of the warp's page, a quarter row per thread
-    kb3 = gl.convert_layout(base, gl.SliceLayout(1, gl.SliceLayout(2, K3_LAYOUT)))
-    kr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, K3_LAYOUT)))
-    kw = gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, K3_LAYOUT)))
-    kc = gl.reshape(gl.load(cache32_ptr + kb3[:, None, None] + (kr * (KBM // 4))[None, :, None] + kw[None, None, :]),
-                    [BN, KBM // 4])
+            VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr,
+            FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
+    """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (`key_layout4`
+    flattened; 3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words
+    (4-bit: [BN, D/8], `value_layout4`; 3-bit: [BN, 8], a word of the 2-bit plane and one of the 1-bit plane per
+    thread and token, else 0), the fp16 fields [4, BN/4] in the score columns' layout."""
+    base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
+    # keys: rows r, r + 8 of each of the warp's pages, a quarter row per thread
+    kl: gl.constexpr = gl.SliceLayout(3, K_LAYOUT)
+    kb = gl.convert_layout(base, gl.SliceLayout(2, kl))[:, :, None, None]
+    kr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, kl)))[None, None, :, None]
+    kw = gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LAYOUT))))
+    kw = kw[None, None, None, :]
+    kc = gl.reshape(gl.load(cache32_ptr + kb + kr * (KBM // 4) + kw), [BN, KBM // 4])
     ks = 0
     if KEY_BITS == 3:
         # word c of the 2-bit row goes with 1-bit word c mod W, shifted by c // W (W = D/32 words per row)
         W1: gl.constexpr = HEAD_DIM // 32
-        ks = gl.load(cache32_ptr + (kb3 + 4 * KBM)[:, None, None] + (kr * W1)[None, :, None]
-                     + (kw % W1)[None, None, :]) >> (kw // W1)[None, None, :]
+        ks = gl.load(cache32_ptr + kb + 4 * KBM + kr * W1 + kw % W1) >> (kw // W1)
         ks = gl.reshape(ks, [BN, KBM // 4])
-    # values: tokens 2c, 2c + 1, 8 + 2c, 9 + 2c of the warp's page, thread g's D/16 bytes
-    vb3 = gl.convert_layout(base, gl.SliceLayout(1, gl.SliceLayout(2, V3_LAYOUT)))
-    vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, V3_LAYOUT)))
+    # values: rows 2c, 2c + 1, 8 + 2c, 9 + 2c of each of the warp's pages, thread g's D/16 bytes
+    vl: gl.constexpr = gl.SliceLayout(3, V_LAYOUT)
+    vb = gl.convert_layout(base, gl.SliceLayout(2, vl))[:, :, None, None]
+    vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, vl)))[None, None, :, None]
+    vx: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_LAYOUT)))
     vh = 0
     if V_BITS == 4:
-        vw = gl.arange(0, VBM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V3_LAYOUT)))
-        vc = gl.load(cache32_ptr + (vb3 + 4 * KB)[:, None, None] + (vr * (VBM // 4))[None, :, None]
-                     + vw[None, None, :])
-        vc = gl.reshape(vc, [BN, VBM // 4])
+        vw = gl.arange(0, VBM // 4, layout=vx)[None, None, None, :]
+        vc = gl.reshape(gl.load(cache32_ptr + vb + 4 * KB + vr * (VBM // 4) + vw), [BN, VBM // 4])
     else:
         # thread g: the D/32 bytes of the 2-bit plane from byte j = g D/32 (word j / 4, from its byte j % 4),
         # and the 1-bit word of the same codes shifted into place (`tq_gluon._plane_words`), both moved down
         # by j % 4 bytes (D 64: threads 2k and 2k + 1 share a word). Signed shifts: the bits above are unused.
         WV: gl.constexpr = HEAD_DIM // 32
-        j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, V3_LAYOUT))) * (HEAD_DIM // 32)
+        j = gl.arange(0, 8, layout=vx)[None, None, None, :] * (HEAD_DIM // 32)
         c = j // 4
-        vc = gl.load(cache32_ptr + (vb3 + 4 * KB)[:, None, None] + (vr * (VBM // 4))[None, :, None]
-                     + c[None, None, :]) >> (8 * (j % 4))[None, None, :]
-        vh = gl.load(cache32_ptr + (vb3 + 4 * (KB + VBM))[:, None, None] + (vr * WV)[None, :, None]
-                     + (c % WV)[None, None, :]) >> (c // WV + 8 * (j % 4))[None, None, :]
+        vc = gl.load(cache32_ptr + vb + 4 * KB + vr * (VBM // 4) + c) >> (8 * (j % 4))
+        vh = gl.load(cache32_ptr + vb + 4 * (KB + VBM) + vr * WV + c % WV) >> (c // WV + 8 * (j % 4))
         vc = gl.reshape(vc, [BN, 8])
         vh = gl.reshape(vh, [BN, 8])
 
     # fields of the tokens in the score's columns (planes of 16 halves per page)
-    tk = gl.arange(0, 16, layout=gl.SliceLayout(0, TOKL))
-    f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, None] + tk[None, :]
-    knorm = gl.load(f).to(gl.float16, bitcast=True).to(gl.float32)
-    vscale = gl.load(f + 16 * (NF - 2)).to(gl.float16, bitcast=True).to(gl.float32)
-    vzero = gl.load(f + 16 * (NF - 1)).to(gl.float16, bitcast=True).to(gl.float32)
+    tk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, FL)))
+    f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, :, None] + tk[None, None, :]
+    tl: gl.constexpr = gl.SliceLayout(1, XL)
+    knorm = gl.convert_layout(gl.reshape(gl.load(f), [4, BN // 4]), tl).to(gl.float16, bitcast=True).to(gl.float32)
+    vscale = gl.convert_layout(gl.reshape(gl.load(f + 16 * (NF - 2)), [4, BN // 4]), tl)
+    vscale = vscale.to(gl.float16, bitcast=True).to(gl.float32)
+    vzero = gl.convert_layout(gl.reshape(gl.load(f + 16 * (NF - 1)), [4, BN // 4]), tl)
+    vzero = vzero.to(gl.float16, bitcast=True).to(gl.float32)
     return kc, ks, vc, vh, knorm, vscale, vzero
 
 
 @gluon.jit
 def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
-          LAZY: gl.constexpr, EDGE: gl.constexpr):
-    """One 64-token tile, each warp its 16 tokens: loads, S_w, online softmax (exact or lazy max), O_w^T += V_w^T P_w^T.
+          LAZY: gl.constexpr, EDGE: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr,
+          V_ORDER: gl.constexpr):
+    """One tile, each warp its BN/4 tokens: S_w, online softmax (exact or lazy max), O_w^T += V_w^T P_w^T.
     EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
     path). The tile's bytes come from `_load_w`, issued one tile ahead."""
+    tl: gl.constexpr = gl.SliceLayout(1, XL)
     s = mma_v2(q3, _keys_operand(kc, ks, table, BN, KBM, HEAD_DIM, KEY_BITS), gl.zeros([4, 16, BN // 4], gl.int32, MMA))
     # rows h (hi bytes) and 8 + h (lo bytes) are in the same thread
-    hi, lo = gl.split(gl.permute(gl.reshape(s, [4, 2, 8, 16]), (0, 2, 3, 1)))
-    x = gl.convert_layout((hi * Q_LO_INT + lo).to(gl.float32), XL)  # [4, 8 heads, 16 tokens]
+    hi, lo = gl.split(gl.permute(gl.reshape(s, [4, 2, 8, BN // 4]), (0, 2, 3, 1)))
+    x = gl.convert_layout((hi * Q_LO_INT + lo).to(gl.float32), XL)  # [4, 8 heads, BN/4 tokens]
     if EDGE:
         # Stale slots may hold NaN norms and scales: masked scores, zero scale and zero point.
-        pos = (tile * BN + gl.arange(0, 4, layout=gl.SliceLayout(1, TOKL))[:, None] * 16
-               + gl.arange(0, 16, layout=gl.SliceLayout(0, TOKL))[None, :])
+        pos = (tile * BN + gl.arange(0, 4, layout=gl.SliceLayout(1, tl))[:, None] * (BN // 4)
+               + gl.arange(0, BN // 4, layout=gl.SliceLayout(0, tl))[None, :])
         ok = (pos < seq_len) & (pos >= start)
         knorm = gl.where(ok, knorm, 0.0)
         vscale = gl.where(ok, vscale, 0.0)
@@ -345,7 +374,7 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     if EDGE:
         x = gl.where(ok[:, None, :], x, float("-inf"))
 
-    # online softmax per warp and head (the max over a warp's 16 tokens stays in the warp)
+    # online softmax per warp and head (the max over a warp's tokens stays in the warp)
     t_max = gl.max(x, 2)
     if LAZY:
         # the reference max moves only when a score passes it by LAZY_MAX_MARGIN (P <= 2^4, as `tq_gluon`)
@@ -370,9 +399,9 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     else:
         acc = acc * alpha_o
     if V_BITS == 4:
-        acc = mma_v2(_values_operand(vc, HEAD_DIM), pb, acc)
+        acc = mma_v2(_values_operand(vc, BN, HEAD_DIM, V_SHAPE, V_ORDER), pb, acc)
     else:
-        acc = mma_v2(_values_operand3(vc, vh, HEAD_DIM), pb, acc)
+        acc = mma_v2(_values_operand3(vc, vh, BN, HEAD_DIM, V_SHAPE, V_ORDER), pb, acc)
     return m_new, l_part, z_part, acc
 
 
@@ -383,7 +412,9 @@ def _tq_warp_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
-    VB: gl.constexpr, NF: gl.constexpr, K3_LAYOUT: gl.constexpr, V3_LAYOUT: gl.constexpr, I8_SCALE: gl.constexpr,
+    VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
+    BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
+    V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr,
     PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
     IS_SPLIT: gl.constexpr,
 ):
@@ -391,6 +422,7 @@ def _tq_warp_kernel(
     split = gl.program_id(1)
     seq = gl.program_id(2)
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
+    ROWL: gl.constexpr = gl.SliceLayout(2, XL)
 
     # The query as two signed bytes per coordinate, in the score MMA's K order (as `tq_gluon`), then the
     # mma.sync A operand [4, 16, D] (every warp the whole query; once per program).
@@ -415,34 +447,34 @@ def _tq_warp_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
 
     m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
-    l_part = gl.zeros([4, 8, 16], gl.float32, layout=XL)
-    z_part = gl.zeros([4, 8, 16], gl.float32, layout=XL)
+    l_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
+    z_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
     acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
     # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
     # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
     # (NOTES_TQ.md, tenth session).
-    kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len),
+    kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL),
                                                    kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                   NF, K3_LAYOUT, V3_LAYOUT)
+                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
     # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
     table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
-    pw = _pages_w(bt_row, tile_lo + 1, seq_len)
+    pw = _pages_w(bt_row, tile_lo + 1, seq_len, PPW, FL)
     for tile in range(tile_lo, tile_hi):
         if PAGES_AHEAD == 1:
-            pw = _pages_w(bt_row, tile + 1, seq_len)
+            pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
         nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
-                                                              SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF,
-                                                              K3_LAYOUT, V3_LAYOUT)
+                                                              SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, BN, PPW,
+                                                              XL, FL, K_LAYOUT, V_LAYOUT)
         if PAGES_AHEAD == 2:
-            pw = _pages_w(bt_row, tile + 2, seq_len)
+            pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
         if (tile * BN < start) | (tile * BN + BN > seq_len):
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             LAZY, True)
+                                             LAZY, True, BN, XL, V_SHAPE, V_ORDER)
         else:
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             LAZY, False)
+                                             LAZY, False, BN, XL, V_SHAPE, V_ORDER)
         kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     # merge the 4 warps: each its own max, sums and O^T
@@ -479,11 +511,12 @@ def _tq_warp_kernel(
 
 FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 """Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values."""
-REGISTERS = {"turboquant_4bit_nc": {128: 154, 64: 111}, "turboquant_k3v4_nc": {128: 155, 64: 120},
-             "turboquant_3bit_nc": {128: 157, 64: 126}}
-"""Registers per thread of the sm_90 compile by format and head_dim (Triton 3.6, no cap, pages two tiles ahead,
-the default max: lazy for 4bit_nc and 3bit_nc, exact for k3v4_nc; `bench/sass_mix.py --tq-gluon FORMAT
---head-dim D --block-n 64 --per-warp [--exact-max]`); `TQGluonConfig.maxnreg` overrides."""
+REGISTERS = {"turboquant_4bit_nc": {(64, 64): 109, (64, 128): 153, (128, 64): 152, (128, 128): 222},
+             "turboquant_k3v4_nc": {(64, 64): 117, (64, 128): 160, (128, 64): 153, (128, 128): 222},
+             "turboquant_3bit_nc": {(64, 64): 127, (64, 128): 198, (128, 64): 160, (128, 128): 238}}
+"""Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
+two tiles ahead, the default max: lazy for 4bit_nc and 3bit_nc, exact for k3v4_nc; `bench/sass_mix.py
+--tq-gluon FORMAT --head-dim D --block-n BN --per-warp [--exact-max]`); `TQGluonConfig.maxnreg` overrides."""
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -511,7 +544,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"]),
+        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n),
         PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))

@@ -119,31 +119,34 @@ def test_gluon_routing_says_why(device: str) -> None:
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("d, hq", SHAPES)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
-@pytest.mark.parametrize("maxnreg, ahead", [(None, 2), (128, 2), (None, 1)])
-def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool, splits, maxnreg,
-                                           ahead: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("block_n, maxnreg, ahead", [(64, None, 2), (64, 128, 2), (64, None, 1), (128, None, 2),
+                                                     (128, 128, 1)])
+def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool, splits, block_n: int,
+                                           maxnreg, ahead: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`tq_warp`'s per-warp mma.sync kernel against the float64 reference over the int8 centroids, the shapes
-    of the warpgroup kernel's test, with and without a register cap, pages loaded one or two tiles ahead."""
+    of the warpgroup kernel's test: one or two pages per warp, with and without a register cap, pages loaded
+    one or two tiles ahead."""
     from kvpolicy.kernels import tq_gluon
 
-    cfg = tq_gluon.TQGluonConfig(block_n=64, per_warp=True, maxnreg=maxnreg, pages_ahead=ahead)
+    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, maxnreg=maxnreg, pages_ahead=ahead)
     _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
 
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt, d", [("turboquant_4bit_nc", 128), ("turboquant_4bit_nc", 64), ("turboquant_3bit_nc", 128)])
+@pytest.mark.parametrize("fmt, d, block_n", [("turboquant_4bit_nc", 128, 64), ("turboquant_4bit_nc", 64, 64),
+                                              ("turboquant_3bit_nc", 128, 64), ("turboquant_4bit_nc", 64, 128)])
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("head", [0, 1, 6])
-def test_per_warp_lazy_max_rescales_a_lone_rising_head(fmt: str, d: int, lazy: bool, head: int, device: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_per_warp_lazy_max_rescales_a_lone_rising_head(fmt: str, d: int, block_n: int, lazy: bool, head: int,
+                                                       device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """GQA 8, and only head `head` of each group sees its scores rise along the sequence (the others fall): a
     warp skips its O^T rescale only when no head's reference max moved (`tq_warp.rescale_ptx`'s vote over each
     thread's two heads), so that head's output still matches the float64 reference, with splits and without,
     whichever accumulator column it sits in."""
     from kvpolicy.kernels import tq_gluon
 
-    cfg = tq_gluon.TQGluonConfig(block_n=64, per_warp=True, lazy_max=lazy)
+    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, lazy_max=lazy)
     monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: cfg)
     for splits in (1, 3):
         out, ref, _ = run_planar(fmt, device, bsz=2, hq=64, hkv=8, d=d, seq=(1025, 700), splits=splits,
@@ -207,8 +210,8 @@ def test_gluon_needle_long_context(fmt: str, context: int) -> None:
 @pytest.mark.parametrize("d", [64, 128])
 def test_default_config_sends_only_per_warp_formats_to_the_per_warp_kernel(fmt: str, d: int) -> None:
     """The per-warp kernel decodes centroid keys only (not k8v4): a default that routed another format there
-    would fail on the GPU alone. Its configs are 64-token tiles, and the resident-program count (which
-    sizes the splits) comes from its own register table."""
+    would fail on the GPU alone. The resident-program count of its configs (which sizes the splits) comes
+    from its own register table."""
     from kvpolicy.kernels import tq_gluon, tq_warp
 
     cfg = tq_gluon.default_config(fmt, d)
@@ -219,6 +222,6 @@ def test_default_config_sends_only_per_warp_formats_to_the_per_warp_kernel(fmt: 
     assert cfg.per_warp == (fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc")
                             or (fmt, d) == ("turboquant_3bit_nc", 128))
     if cfg.per_warp:
-        assert fmt in tq_warp.FORMATS and cfg.block_n == 64 and d in tq_warp.REGISTERS[fmt]
-        regs = cfg.maxnreg or tq_warp.REGISTERS[fmt][d]
+        assert fmt in tq_warp.FORMATS and (d, cfg.block_n) in tq_warp.REGISTERS[fmt]
+        regs = cfg.maxnreg or tq_warp.REGISTERS[fmt][d, cfg.block_n]
         assert regs <= 160, "more than 160 registers: fewer than 3 programs per SM"

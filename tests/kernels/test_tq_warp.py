@@ -12,6 +12,7 @@ from kvpolicy.kernels.tq_warp import (
     dim_of_row,
     v3_pair_program,
     v_pair_program,
+    value_axes,
     value_unit,
 )
 
@@ -53,20 +54,23 @@ def test_v_pair_program_pairs_two_tokens_per_register() -> None:
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_values_operand_holds_each_tokens_codes_in_row_order(d: int) -> None:
-    """`_values_operand`'s steps on a tile of packed value codes: element [w, m, k] of V_w^T is token 16 w + k's
-    code of dim `dim_of_row(d)[m]`, times 16^u (u = (m // 8) % 2, the high nibbles)."""
+@pytest.mark.parametrize("ppw", [1, 2])
+def test_values_operand_holds_each_tokens_codes_in_row_order(d: int, ppw: int) -> None:
+    """`_values_operand`'s steps on a tile of packed value codes (4 warps x `ppw` pages): element [w, m, k] of
+    V_w^T is the warp's token k (tile token 16 ppw w + k) code of dim `dim_of_row(d)[m]`, times 16^u
+    (u = (m // 8) % 2, the high nibbles)."""
     assert torch.equal(dim_of_row(d).sort().values, torch.arange(d))
-    codes = torch.randint(0, 16, (64, d))
-    vc = _words(_pack_codes(codes, 4))  # [64, d/8]: the cache's value plane rows
-    a, b = vc[0::2], vc[1::2]  # reshape [32, 2, d/8], permute, split: tokens 2p and 2p + 1
+    n = 64 * ppw
+    codes = torch.randint(0, 16, (n, d))
+    vc = _words(_pack_codes(codes, 4))  # [n, d/8]: the cache's value plane rows
+    a, b = vc[0::2], vc[1::2]  # reshape [n/2, 2, d/8], permute, split: tokens 2p and 2p + 1
     regs = emulate_ptx(v_pair_program(), {"$8": a, "$9": b})
 
     h = [_halves(regs[f"${i}"]) for i in range(8)]
-    y = _join8(h)
-    y = y.reshape(4, 2, 4, 8, d // 64, 2, 2, 2, 2).permute(0, 4, 8, 7, 6, 3, 1, 2, 5).reshape(4, d, 16)
+    shape, order = value_axes(d, 4, ppw)
+    y = _join8(h).reshape(shape).permute(order).reshape(4, d, 16 * ppw)
     m = torch.arange(d)
-    want = codes.reshape(4, 16, d)[:, :, dim_of_row(d)].permute(0, 2, 1) << (4 * ((m // 8) % 2))[None, :, None]
+    want = codes.reshape(4, 16 * ppw, d)[:, :, dim_of_row(d)].permute(0, 2, 1) << (4 * ((m // 8) % 2))[None, :, None]
     assert torch.equal(y, want)
 
 
@@ -100,12 +104,14 @@ def test_v3_pair_program_places_each_code_at_four_to_the_quarter(d: int) -> None
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int) -> None:
-    """`_values_operand3`'s steps on a tile of 3-bit value codes: element [w, m, k] of V_w^T is token 16 w + k's code
-    of dim `dim_of_row(d, 3)[m]` times 4^s, and `value_unit` undoes that factor."""
+@pytest.mark.parametrize("ppw", [1, 2])
+def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int) -> None:
+    """`_values_operand3`'s steps on a tile of 3-bit value codes (4 warps x `ppw` pages): element [w, m, k] of V_w^T
+    is the warp's token k code of dim `dim_of_row(d, 3)[m]` times 4^s, and `value_unit` undoes that factor."""
     rows = dim_of_row(d, 3)
     assert torch.equal(rows.sort().values, torch.arange(d))
-    codes = torch.randint(0, 8, (64, d))
+    n = 64 * ppw
+    codes = torch.randint(0, 8, (n, d))
     packed = _pack_codes(codes, 3)
     v2, v1 = _load_w3(_words(packed[:, : d // 4]), _words(packed[:, d // 4 :]), d)
     pairs = d // 64
@@ -114,11 +120,9 @@ def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int) -> None:
 
     h = [_halves(regs[f"${i}"]) for i in range(8 * pairs)]
     eight = [_join8(h[i:i + 8]) for i in range(0, 8 * pairs, 8)]
-    if d == 128:
-        y = _join(eight[0], eight[1]).reshape(4, 2, 4, 8, 2, 2, 2, 2, 2).permute(0, 6, 5, 8, 7, 3, 1, 2, 4)
-    else:
-        y = eight[0].reshape(4, 2, 4, 8, 2, 2, 2, 2).permute(0, 6, 5, 7, 3, 1, 2, 4)
-    y = y.reshape(4, d, 16)
-    want = codes.reshape(4, 16, d)[:, :, rows].permute(0, 2, 1)
+    y = _join(eight[0], eight[1]) if d == 128 else eight[0]
+    shape, order = value_axes(d, 3, ppw)
+    y = y.reshape(shape).permute(order).reshape(4, d, 16 * ppw)
+    want = codes.reshape(4, 16 * ppw, d)[:, :, rows].permute(0, 2, 1)
     scale = (value_unit(d, 3) * 2.0**24).round().to(torch.int64)  # 4^s per row
     assert torch.equal(y, want * scale[None, :, None])

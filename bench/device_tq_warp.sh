@@ -23,7 +23,9 @@
 #   evidence: the evidence run (all rows, batch 8) and the Gluon rows at batch 1, files tagged TAG.
 # session 20:
 #   ppw:     GPU tests of the per-warp kernel (one and two pages per warp), then the probe of two pages per
-#            warp (128-token tiles) against one, both layers, 128k.
+#            warp (128-token tiles) against one, both layers, 128k;
+#   ppw2:    the probe of k3v4_nc with two pages per warp (lazy or exact max, both layers) and of 3bit_nc at
+#            head_dim 64: the warpgroup kernel against two pages per warp, uncapped or capped at 168.
 set -u
 out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
@@ -93,6 +95,15 @@ elif [ "$2" = ppw ]; then
     --block-n 64,128 --maxnreg 128 --pages-ahead 1 --out "$out/probe_ppw_llama4.json" 2>&1 | grep -v picked > "$out/probe_3.log"
   timeout 50 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b --formats turboquant_4bit_nc,turboquant_3bit_nc $p \
     --lazy 1 --block-n 128 --maxnreg 0 --pages-ahead 2 --out "$out/probe_ppw_llama_uncapped.json" 2>&1 | grep -v picked > "$out/probe_4.log"
+  cat "$out"/probe_*.log
+elif [ "$2" = ppw2 ]; then
+  p="--contexts 131072 --batch 1,8 --split-scale 1,2"
+  timeout 120 python3 bench/probe_tq_gluon.py --geometries llama-3.1-8b,gpt-oss-20b --formats turboquant_k3v4_nc $p \
+    --per-warp 1 --lazy 0,1 --block-n 128 --maxnreg 0 --pages-ahead 2 --out "$out/probe_ppw2_k3v4.json" 2>&1 | grep -v picked > "$out/probe_1.log"
+  timeout 60 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_3bit_nc $p \
+    --per-warp 0 --block-n 64 --maxnreg 0 --pages-ahead 2 --out "$out/probe_ppw2_3bit_wg.json" 2>&1 | grep -v picked > "$out/probe_2.log"
+  timeout 100 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_3bit_nc $p \
+    --per-warp 1 --block-n 128 --maxnreg 0,168 --pages-ahead 2 --out "$out/probe_ppw2_3bit_pw.json" 2>&1 | grep -v picked > "$out/probe_3.log"
   cat "$out"/probe_*.log
 elif [ "$2" = evidence ]; then
   evidence_run "${TAG:?set TAG, e.g. tq14}"

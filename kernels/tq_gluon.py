@@ -524,55 +524,29 @@ class TQGluonConfig:
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     """The fastest configuration of bench/probe_tq_gluon.py on an H200 at batch 8, 128k (NOTES_TQ.md, seventh,
-    tenth and eleventh sessions):
-    - 4-bit values (4bit_nc, k3v4_nc): the per-warp kernel (`tq_warp`). gpt-oss layer 4bit_nc 220 us against
-      248 for the warpgroup kernel, k3v4_nc 218 against 254; Llama layer 347 against 356 and 330 against 341.
-      At batch 1 on the Llama layer it was 2-4 us slower (60 against 56-58 us). At head_dim 64 uncapped
-      (110 registers, 4 programs per SM): a cap of 96 (5 programs, no spills) gave 223 against 226 us in
-      the probe but 233 against 221 in the evidence run with the default splits, and was slower at batch 1.
-    - The per-warp lazy max (skip of the O^T rescale): 4bit_nc at head_dim 128 with the block table one tile
-      ahead 342.7 us against 354.9 (exact max; two tiles ahead, which spill under the lazy max's registers:
-      368.2 against 355.7); k3v4_nc slower with it (341.6 against 333.3: it spills), the gpt-oss layer and
-      3bit_nc unchanged (within 1%). `bench/results_probe_tq_warp_lazy_*_h200.json`.
-    - 3bit_nc at head_dim 128: the per-warp kernel, uncapped (155 registers, 3 programs per SM; under a cap
-      of 128 it spills): Llama layer 381 us against 392 (batch 1: 60 against 63). At head_dim 64 the
-      warpgroup kernel: gpt-oss 242 against 254.
-    - The per-warp kernel takes two waves of splits when each split keeps >= 128 tiles: batch 8, 128k, 16
-      splits against 8: Llama 4bit_nc 339.9 against 342.6 us, k3v4_nc 334.0 against 339.2, gpt-oss 221.5
-      against 223.9 and 216.0 against 216.3; at 64k (64 tiles per split) two waves were slower: 181.4
-      against 178.2, 176.2 against 178.2, 119.2 against 116.1, 117.4 against 113.8 (batch 1: 128 against 64
-      splits is slower, and `split_count` keeps 64 there). `bench/results_probe_tq_warp_{splits,waves}_*_h200.json`.
-    - FP8 keys at head_dim 128 (k8v4): 128-token tiles (Llama layer 498 us against 568 for 64).
-    - else 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for 128).
-    At head_dim 128, 64-token tiles are otherwise capped at 128 registers: 4 programs per SM, no spills.
-    The block table loads two tiles ahead (Llama 3bit_nc 392 us against 401, gpt-oss 242 against 251;
-    k8v4 422 against 448 and 247 against 264), except for the per-warp kernel with 4-bit values at head_dim
-    128, where the second tile's pages spill under the cap (k3v4_nc 330 us against 357)."""
-    cap = 128 if head_dim >= 128 else None
-    if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc"):
-        return TQGluonConfig(block_n=64, maxnreg=cap, per_warp=True, pages_ahead=1 if head_dim >= 128 else 2,
-                             lazy_max=fmt == "turboquant_4bit_nc", split_waves=(2,), split_wave_tiles=128)
-    if fmt == "turboquant_3bit_nc" and head_dim >= 128:
-        return TQGluonConfig(block_n=64, per_warp=True, split_waves=(2,), split_wave_tiles=128)
+    tenth, eleventh and twelfth sessions):
+    - Centroid keys (4bit_nc, k3v4_nc, 3bit_nc): the per-warp kernel (`tq_warp`) with two pages per warp
+      (128-token tiles), the lazy max, the block table two tiles ahead. Against one page per warp (the
+      previous default, us; `bench/results_tq_warp_ppw/`): Llama layer 4bit_nc 305.1 against 339.9, k3v4_nc
+      280.9 against 333.3, 3bit_nc 324.0 against 374.2 (uncapped: 217-243 registers, 2 programs per SM;
+      under a cap of 128 it spills: 701 us); gpt-oss layer 4bit_nc 206.0 against 218.8 (capped at 128
+      registers: 4 programs per SM, no spills; uncapped 211.1), k3v4_nc 206.1 against 217.3, and 3bit_nc
+      225.9 against 243.3 for the warpgroup kernel. Batch 1: Llama 51.5 / 48.2 / 52.3 against 58.5 / 56.1 /
+      59.9, gpt-oss within 1 us except k3v4_nc (36.4 against 38.5) and 3bit_nc (38.3 against 40.9).
+    - Two waves of splits only for the capped 4bit_nc at head_dim 64 (4 programs per SM: 16 splits 206.0 us
+      against 8: 212.3); with 2 programs per SM one wave was faster (Llama 4bit_nc 305.1 against 311.0).
+    - The per-warp lazy max skips the O^T rescale (`tq_warp.rescale_ptx`): k3v4_nc at 128-token tiles 280.9
+      against 286.0 us (exact max) on the Llama layer, 206.1 against 214.1 on gpt-oss.
+    - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
+      for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
+      128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
+    if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
+        if (fmt, head_dim) == ("turboquant_4bit_nc", 64):
+            return TQGluonConfig(block_n=128, maxnreg=128, per_warp=True, split_waves=(2,), split_wave_tiles=64)
+        return TQGluonConfig(block_n=128, per_warp=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
-    return TQGluonConfig(block_n=64, maxnreg=cap)
-
-
-REGISTERS = {
-    "turboquant_k8v4": {(128, 128): 235, (128, 64): 152, (64, 64): 95, (64, 128): 161},
-    "turboquant_4bit_nc": {(128, 128): 216, (128, 64): 125, (64, 64): 89, (64, 128): 162},
-    "turboquant_k3v4_nc": {(128, 128): 224, (128, 64): 128, (64, 64): 101, (64, 128): 160},
-    "turboquant_3bit_nc": {(128, 128): 247, (128, 64): 127, (64, 64): 95, (64, 128): 158},
-}
-"""Registers per thread of the sm_90 compile (Triton 3.6, no cap, lazy max; `bench/sass_mix.py --tq-gluon FORMAT
---head-dim D --block-n N`) by format and (head_dim, block_n); `TQGluonConfig.maxnreg` overrides them."""
-
-
-def smem_bytes(head_dim: int, cfg: TQGluonConfig) -> int:
-    """Shared memory of one program: the fp16 value-code tile, P, the query tiles and 1 KB of the
-    compiler's scratch (the cross-warp max)."""
-    return cfg.block_n * head_dim * 2 + 8 * cfg.block_n * 2 + 8 * head_dim * 2 + 1024
+    return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)
 
 
 def programs_per_sm(fmt: str, head_dim: int, device: torch.device, cfg: TQGluonConfig) -> int:

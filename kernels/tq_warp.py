@@ -1,21 +1,22 @@
-"""Hopper TurboQuant decode with each warp independent: no barrier per tile. The default kernel for the
-formats with 4-bit values, and for 3bit_nc at head_dim 128 (`tq_gluon.default_config`), through
-`tq_gluon.decode_tq_gluon`.
+"""Hopper TurboQuant decode with each warp independent: no barrier per tile. The default kernel for the formats
+with centroid keys (`tq_gluon.default_config`), through `tq_gluon.decode_tq_gluon`.
 
 Why (bench/NOTES_TQ.md, tenth session): the warpgroup kernel (`tq_gluon.py`) waits, on every tile, at two
 warpgroup barriers and at the fence that lets its wgmma read P from shared memory; that fence also waits for
-the next tile's loads, issued at the start of the tile. Here each of the 4 warps owns 16 tokens (one page)
-of every 64-token tile and runs its own online softmax:
+the next tile's loads, issued at the start of the tile. Here each of the 4 warps owns one or two whole pages
+(`pages_per_warp`: 16 or 32 tokens) of every 64- or 128-token tile and runs its own online softmax:
 - S_w = Q K_w^T with mma.sync (int8, m16n8k32): Q [16, D] is the A operand (rows 0-7 the query's hi bytes,
   8-15 its lo bytes, `tq_gluon`'s two-byte query), K_w^T the B operand straight from the unpacked key
   registers (the same thread-to-coordinate map as the wgmma A operand, so `int8_operand_order` holds for
   4- and 3-bit keys);
-- P_w in the accumulator layout (head g in thread g, tokens 2c, 2c + 1, 8 + 2c, 9 + 2c) *is* the B operand
-  of O_w^T = V_w^T P_w^T (fp16, m16n8k16), and V_w^T is the A operand from registers: each thread loads its
-  4 tokens' value bytes and turns token pairs into fp16 subnormal pairs with one PRMT per 2 bytes (3-bit
-  values: two, the 2-bit and the 1-bit plane, `v3_pair_program`), so the values never go through shared
-  memory;
+- P_w in the accumulator layout (head g in thread g, tokens 16 pg + {2c, 2c + 1, 8 + 2c, 9 + 2c}) *is* the
+  B operand of O_w^T = V_w^T P_w^T (fp16, m16n8k16), and V_w^T is the A operand from registers: each thread
+  loads its tokens' value bytes and turns token pairs into fp16 subnormal pairs with one PRMT per 2 bytes
+  (3-bit values: two, the 2-bit and the 1-bit plane, `v3_pair_program`), so the values never go through
+  shared memory;
 - the warps' (max, sums, O^T) are merged once, at the end.
+Two pages per warp (twelfth session) double each warp's loads in flight and the MMAs per softmax step: 10-16%
+faster at 128k on both layers, though at head_dim 128 they take 217-243 registers (2 programs per SM).
 The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8). Its rescale is skipped
 when none of the warp's heads moved its max: with the lazy max (`TQGluonConfig.lazy_max`, the reference max
 moves only when a score passes it by `LAZY_MAX_MARGIN`) that is nearly every tile; Gluon has no per-warp

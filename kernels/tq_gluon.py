@@ -549,6 +549,22 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)
 
 
+REGISTERS = {
+    "turboquant_k8v4": {(128, 128): 235, (128, 64): 152, (64, 64): 95, (64, 128): 161},
+    "turboquant_4bit_nc": {(128, 128): 216, (128, 64): 125, (64, 64): 89, (64, 128): 162},
+    "turboquant_k3v4_nc": {(128, 128): 224, (128, 64): 128, (64, 64): 101, (64, 128): 160},
+    "turboquant_3bit_nc": {(128, 128): 247, (128, 64): 127, (64, 64): 95, (64, 128): 158},
+}
+"""Registers per thread of the sm_90 compile (Triton 3.6, no cap, lazy max; `bench/sass_mix.py --tq-gluon FORMAT
+--head-dim D --block-n N`) by format and (head_dim, block_n); `TQGluonConfig.maxnreg` overrides them."""
+
+
+def smem_bytes(head_dim: int, cfg: TQGluonConfig) -> int:
+    """Shared memory of one program: the fp16 value-code tile, P, the query tiles and 1 KB of the
+    compiler's scratch (the cross-warp max)."""
+    return cfg.block_n * head_dim * 2 + 8 * cfg.block_n * 2 + 8 * head_dim * 2 + 1024
+
+
 def programs_per_sm(fmt: str, head_dim: int, device: torch.device, cfg: TQGluonConfig) -> int:
     """Programs resident per SM: one warpgroup with the compile's registers (`REGISTERS`, or the cap) and the
     shared memory: 2 at head_dim 128 with 128-token tiles, 4-5 at head_dim 64 with 64-token tiles."""

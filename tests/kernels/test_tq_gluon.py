@@ -224,3 +224,5 @@ def test_default_config_sends_only_per_warp_formats_to_the_per_warp_kernel(fmt: 
         assert (d, cfg.block_n) in tq_warp.REGISTERS[fmt]
         regs = cfg.maxnreg or tq_warp.REGISTERS[fmt][d, cfg.block_n]
         assert regs <= 255, "over 255 registers: the compile would spill, not the count the splits assume"
+    else:
+        assert (d, cfg.block_n) in tq_gluon.REGISTERS[fmt]  # programs_per_sm reads it

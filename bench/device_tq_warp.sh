@@ -25,7 +25,9 @@
 #   ppw:     GPU tests of the per-warp kernel (one and two pages per warp), then the probe of two pages per
 #            warp (128-token tiles) against one, both layers, 128k;
 #   ppw2:    the probe of k3v4_nc with two pages per warp (lazy or exact max, both layers) and of 3bit_nc at
-#            head_dim 64: the warpgroup kernel against two pages per warp, uncapped or capped at 168.
+#            head_dim 64: the warpgroup kernel against two pages per warp, uncapped or capped at 168;
+#   ppw4:    GPU tests of four pages per warp (head_dim 64), then the probe of four pages against the
+#            two-page defaults on the gpt-oss layer, 128k.
 set -u
 out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
@@ -104,6 +106,17 @@ elif [ "$2" = ppw2 ]; then
     --per-warp 0 --block-n 64 --maxnreg 0 --pages-ahead 2 --out "$out/probe_ppw2_3bit_wg.json" 2>&1 | grep -v picked > "$out/probe_2.log"
   timeout 100 python3 bench/probe_tq_gluon.py --geometries gpt-oss-20b --formats turboquant_3bit_nc $p \
     --per-warp 1 --block-n 128 --maxnreg 0,168 --pages-ahead 2 --out "$out/probe_ppw2_3bit_pw.json" 2>&1 | grep -v picked > "$out/probe_3.log"
+  cat "$out"/probe_*.log
+elif [ "$2" = ppw4 ]; then
+  timeout 100 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "four_pages" -p no:cacheprovider \
+    > "$out/pytest_ppw4.log" 2>&1; tail -3 "$out/pytest_ppw4.log"
+  p="--geometries gpt-oss-20b --contexts 131072 --batch 1,8 --per-warp 1 --lazy 1 --split-scale 1,2 --pages-ahead 2"
+  timeout 50 python3 bench/probe_tq_gluon.py --formats turboquant_4bit_nc $p --block-n 128 --maxnreg 128 \
+    --out "$out/probe_ppw4_4bit_2pages.json" 2>&1 | grep -v picked > "$out/probe_1.log"
+  timeout 50 python3 bench/probe_tq_gluon.py --formats turboquant_4bit_nc $p --block-n 256 --maxnreg 0 \
+    --out "$out/probe_ppw4_4bit_4pages.json" 2>&1 | grep -v picked > "$out/probe_2.log"
+  timeout 60 python3 bench/probe_tq_gluon.py --formats turboquant_k3v4_nc $p --block-n 128,256 --maxnreg 0 \
+    --out "$out/probe_ppw4_k3v4.json" 2>&1 | grep -v picked > "$out/probe_3.log"
   cat "$out"/probe_*.log
 elif [ "$2" = evidence ]; then
   evidence_run "${TAG:?set TAG, e.g. tq14}"

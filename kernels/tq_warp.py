@@ -62,8 +62,8 @@ PAGE = 16
 def pages_per_warp(block_n: int) -> int:
     """Pages each of the 4 warps takes per tile: 1 for 64-token tiles, 2 for 128 (twice the independent loads and
     MMAs per online-softmax step)."""
-    if block_n not in (64, 128):
-        raise ValueError(f"the per-warp kernel takes 64- or 128-token tiles, not {block_n}")
+    if block_n not in (64, 128, 256):
+        raise ValueError(f"the per-warp kernel takes 64-, 128- or 256-token tiles, not {block_n}")
     return block_n // (4 * PAGE)
 
 
@@ -71,7 +71,7 @@ def score_layout(ppw: int) -> gl.DistributedLinearLayout:
     """Scores and P [warp, head, token of the warp's 16 ppw]: head g in lane group g, tokens 16 pg + {2c, 2c + 1,
     8 + 2c, 9 + 2c} in thread c of it (the mma.sync accumulator's rows g (hi) and 8 + g (lo) combined)."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 8]] + ([[0, 0, 16]] if ppw == 2 else []),
+        reg_bases=[[0, 0, 1], [0, 0, 8]] + [[0, 0, 16 << k] for k in range(ppw.bit_length() - 1)],
         lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, PAGE * ppw])
 
@@ -79,7 +79,7 @@ def score_layout(ppw: int) -> gl.DistributedLinearLayout:
 def field_layout(ppw: int) -> gl.DistributedLinearLayout:
     """The fp16 fields [warp, page, token] (`score_layout`'s token axis split as [page, row], heads dropped)."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 8]] + ([[0, 1, 0]] if ppw == 2 else []),
+        reg_bases=[[0, 0, 1], [0, 0, 8]] + [[0, 1 << k, 0] for k in range(ppw.bit_length() - 1)],
         lane_bases=[[0, 0, 2], [0, 0, 4], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, ppw, PAGE])
 
@@ -152,7 +152,7 @@ def key_layout4(key_bytes: int, ppw: int) -> gl.DistributedLinearLayout:
     cw = key_bytes // 16
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 1 << k] for k in range(cw.bit_length() - 1)] + [[0, 0, 8, 0]]
-        + ([[0, 1, 0, 0]] if ppw == 2 else []),
+        + [[0, 1 << k, 0, 0] for k in range(ppw.bit_length() - 1)],
         lane_bases=[[0, 0, 0, cw], [0, 0, 0, 2 * cw], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
         warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, ppw, PAGE, key_bytes // 4])
 
@@ -163,7 +163,7 @@ def value_layout4(head_dim: int, ppw: int) -> gl.DistributedLinearLayout:
     rows."""
     e = head_dim // 64
     return gl.DistributedLinearLayout(
-        reg_bases=([[0, 0, 0, 1]] if e == 2 else []) + [[0, 0, 1, 0], [0, 0, 8, 0]] + ([[0, 1, 0, 0]] if ppw == 2 else []),
+        reg_bases=([[0, 0, 0, 1]] if e == 2 else []) + [[0, 0, 1, 0], [0, 0, 8, 0]] + [[0, 1 << k, 0, 0] for k in range(ppw.bit_length() - 1)],
         lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 0, e], [0, 0, 0, 2 * e], [0, 0, 0, 4 * e]],
         warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, ppw, PAGE, head_dim // 8])
 
@@ -512,8 +512,8 @@ def _tq_warp_kernel(
 
 FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 """Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values."""
-REGISTERS = {"turboquant_4bit_nc": {(64, 64): 109, (64, 128): 153, (128, 64): 152, (128, 128): 222},
-             "turboquant_k3v4_nc": {(64, 64): 117, (64, 128): 160, (128, 64): 153, (128, 128): 222},
+REGISTERS = {"turboquant_4bit_nc": {(64, 64): 109, (64, 128): 153, (64, 256): 254, (128, 64): 152, (128, 128): 222},
+             "turboquant_k3v4_nc": {(64, 64): 117, (64, 128): 160, (64, 256): 254, (128, 64): 153, (128, 128): 222},
              "turboquant_3bit_nc": {(64, 64): 127, (64, 128): 198, (128, 64): 160, (128, 128): 238}}
 """Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
 two tiles ahead, the default max: lazy for 4bit_nc and 3bit_nc, exact for k3v4_nc; `bench/sass_mix.py

@@ -134,6 +134,20 @@ def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, si
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("window, sinks, splits", CASES)
+def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, splits, device: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four pages per warp (256-token tiles) at head_dim 64, where the 4-bit-value formats compile without
+    spills (254 registers)."""
+    from kvpolicy.kernels import tq_gluon
+
+    cfg = tq_gluon.TQGluonConfig(block_n=256, per_warp=True)
+    _check_config(cfg, fmt, device, monkeypatch, 64, 64, window, sinks, splits)
+
+
+@pytest.mark.gpu
+@hopper_only
 @pytest.mark.parametrize("fmt, d, block_n", [("turboquant_4bit_nc", 128, 64), ("turboquant_4bit_nc", 64, 64),
                                               ("turboquant_3bit_nc", 128, 64), ("turboquant_4bit_nc", 64, 128)])
 @pytest.mark.parametrize("lazy", [True, False])

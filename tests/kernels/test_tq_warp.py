@@ -54,7 +54,7 @@ def test_v_pair_program_pairs_two_tokens_per_register() -> None:
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("ppw", [1, 2])
+@pytest.mark.parametrize("ppw", [1, 2, 4])
 def test_values_operand_holds_each_tokens_codes_in_row_order(d: int, ppw: int) -> None:
     """`_values_operand`'s steps on a tile of packed value codes (4 warps x `ppw` pages): element [w, m, k] of
     V_w^T is the warp's token k (tile token 16 ppw w + k) code of dim `dim_of_row(d)[m]`, times 16^u
@@ -104,7 +104,7 @@ def test_v3_pair_program_places_each_code_at_four_to_the_quarter(d: int) -> None
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("ppw", [1, 2])
+@pytest.mark.parametrize("ppw", [1, 2, 4])
 def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int) -> None:
     """`_values_operand3`'s steps on a tile of 3-bit value codes (4 warps x `ppw` pages): element [w, m, k] of V_w^T
     is the warp's token k code of dim `dim_of_row(d, 3)[m]` times 4^s, and `value_unit` undoes that factor."""

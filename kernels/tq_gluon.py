@@ -506,7 +506,8 @@ class TQGluonConfig:
     """Register cap per thread (None: the compiler's choice)."""
     per_warp: bool = False
     """Run `tq_warp.decode_tq_warp` instead (`tq_warp.FORMATS`): each warp its own pages of every tile with
-    mma.sync, no barrier per tile; one page (16 tokens) per warp with 64-token tiles, two with 128."""
+    mma.sync, no barrier per tile; one page (16 tokens) per warp with 64-token tiles, two with 128, four
+    with 256."""
     pages_ahead: int = 2
     """How many tiles ahead the block-table entries load (1 or 2). Each tile's loads need its entries; at 1 the
     warp stalled on them before issuing the loads (Nsight Compute, NOTES_TQ.md tenth session)."""
@@ -526,23 +527,28 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     """The fastest configuration of bench/probe_tq_gluon.py on an H200 at batch 8, 128k (NOTES_TQ.md, seventh,
     tenth, eleventh and twelfth sessions):
     - Centroid keys (4bit_nc, k3v4_nc, 3bit_nc): the per-warp kernel (`tq_warp`) with two pages per warp
-      (128-token tiles), the lazy max, the block table two tiles ahead. Against one page per warp (the
-      previous default, us; `bench/results_tq_warp_ppw/`): Llama layer 4bit_nc 305.1 against 339.9, k3v4_nc
+      (128-token tiles; four at head_dim 64 with 4-bit values, below), the lazy max, the block table two
+      tiles ahead. Against one page per warp (the previous default, us; `bench/results_tq_warp_ppw/`): Llama layer 4bit_nc 305.1 against 339.9, k3v4_nc
       280.9 against 333.3, 3bit_nc 324.0 against 374.2 (uncapped: 217-243 registers, 2 programs per SM;
       under a cap of 128 it spills: 701 us); gpt-oss layer 4bit_nc 206.0 against 218.8 (capped at 128
       registers: 4 programs per SM, no spills; uncapped 211.1), k3v4_nc 206.1 against 217.3, and 3bit_nc
       225.9 against 243.3 for the warpgroup kernel. Batch 1: Llama 51.5 / 48.2 / 52.3 against 58.5 / 56.1 /
       59.9, gpt-oss within 1 us except k3v4_nc (36.4 against 38.5) and 3bit_nc (38.3 against 40.9).
-    - Two waves of splits only for the capped 4bit_nc at head_dim 64 (4 programs per SM: 16 splits 206.0 us
-      against 8: 212.3); with 2 programs per SM one wave was faster (Llama 4bit_nc 305.1 against 311.0).
+    - At head_dim 64, 4bit_nc and k3v4_nc take four pages per warp (256-token tiles; 254 registers, no
+      spills, 2 programs per SM): gpt-oss layer 190.3 us against 206.6 (two pages, capped at 128) and 193.3
+      against 205.9 at batch 8, 35.0 against 38.4 and 34.9 against 36.6 at batch 1
+      (`bench/results_tq_warp_ppw/probe_ppw4_*.json`). 3bit_nc spills with four (104 bytes) and keeps two.
+    - One wave of splits: with 2 programs per SM two waves were slower (Llama 4bit_nc 305.1 against 311.0
+      us, gpt-oss 4bit_nc with four pages 190.3 against 193.3). Two pages capped at 128 registers (4 per SM)
+      were the one case where two waves won (206.0 against 212.3).
     - The per-warp lazy max skips the O^T rescale (`tq_warp.rescale_ptx`): k3v4_nc at 128-token tiles 280.9
       against 286.0 us (exact max) on the Llama layer, 206.1 against 214.1 on gpt-oss.
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
       for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
       128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
     if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
-        if (fmt, head_dim) == ("turboquant_4bit_nc", 64):
-            return TQGluonConfig(block_n=128, maxnreg=128, per_warp=True, split_waves=(2,), split_wave_tiles=64)
+        if head_dim == 64 and fmt != "turboquant_3bit_nc":
+            return TQGluonConfig(block_n=256, per_warp=True)
         return TQGluonConfig(block_n=128, per_warp=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)

@@ -3,8 +3,8 @@ with centroid keys (`tq_gluon.default_config`), through `tq_gluon.decode_tq_gluo
 
 Why (bench/NOTES_TQ.md, tenth session): the warpgroup kernel (`tq_gluon.py`) waits, on every tile, at two
 warpgroup barriers and at the fence that lets its wgmma read P from shared memory; that fence also waits for
-the next tile's loads, issued at the start of the tile. Here each of the 4 warps owns one or two whole pages
-(`pages_per_warp`: 16 or 32 tokens) of every 64- or 128-token tile and runs its own online softmax:
+the next tile's loads, issued at the start of the tile. Here each of the 4 warps owns one, two or four whole
+pages (`pages_per_warp`: 16-64 tokens) of every 64-, 128- or 256-token tile and runs its own online softmax:
 - S_w = Q K_w^T with mma.sync (int8, m16n8k32): Q [16, D] is the A operand (rows 0-7 the query's hi bytes,
   8-15 its lo bytes, `tq_gluon`'s two-byte query), K_w^T the B operand straight from the unpacked key
   registers (the same thread-to-coordinate map as the wgmma A operand, so `int8_operand_order` holds for
@@ -16,7 +16,8 @@ the next tile's loads, issued at the start of the tile. Here each of the 4 warps
   shared memory;
 - the warps' (max, sums, O^T) are merged once, at the end.
 Two pages per warp (twelfth session) double each warp's loads in flight and the MMAs per softmax step: 10-16%
-faster at 128k on both layers, though at head_dim 128 they take 217-243 registers (2 programs per SM).
+faster at 128k on both layers, though at head_dim 128 they take 217-243 registers (2 programs per SM); four
+pages at head_dim 64 another 6-9% (254 registers).
 The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8). Its rescale is skipped
 when none of the warp's heads moved its max: with the lazy max (`TQGluonConfig.lazy_max`, the reference max
 moves only when a score passes it by `LAZY_MAX_MARGIN`) that is nearly every tile; Gluon has no per-warp
@@ -60,8 +61,8 @@ PAGE = 16
 
 
 def pages_per_warp(block_n: int) -> int:
-    """Pages each of the 4 warps takes per tile: 1 for 64-token tiles, 2 for 128 (twice the independent loads and
-    MMAs per online-softmax step)."""
+    """Pages each of the 4 warps takes per tile: 1, 2 or 4 for 64-, 128- or 256-token tiles (more independent
+    loads and MMAs per online-softmax step, more registers)."""
     if block_n not in (64, 128, 256):
         raise ValueError(f"the per-warp kernel takes 64-, 128- or 256-token tiles, not {block_n}")
     return block_n // (4 * PAGE)

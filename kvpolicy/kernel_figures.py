@@ -92,7 +92,8 @@ def _kernel_figure(rows: list[_KernelRow], gpu: GpuSpec, head_dim: int, is_mla: 
     # figures (later in the merged evidence list) replace the built-in ones.
     ev_id, m, m_gpu, _ = min(reversed(pool), key=lambda r: abs(r[1].head_dim - head_dim))
     fit, base = m.fits[column], m.fits[m.baseline]
-    ratio = round(fit.slope_ns_per_token / base.slope_ns_per_token, 3)
+    raw = fit.slope_ns_per_token / base.slope_ns_per_token
+    ratio = round(raw, 3)  # the text rounds `raw` once: 1.0052 reads 1.01x, not round(1.005, 2) = 1.00x
     base_name = _BASELINE_NAMES.get(m.baseline, m.baseline)
     kernel = _KERNEL_NAMES.get(column, "fused")
     where = f"on {m_gpu}" if m_gpu == gpu.id else f"measured on {m_gpu}, same generation as {gpu.id}"
@@ -105,9 +106,9 @@ def _kernel_figure(rows: list[_KernelRow], gpu: GpuSpec, head_dim: int, is_mla: 
     if fit.read_tbps_at_128k is not None:
         notes.append(f"{fit.read_tbps_at_128k:g} TB/s of KV read at 128k")
     notes.append(f"evidence `{ev_id}`")
-    basis = f"kvpolicy's {kernel} kernel: {ratio:.2f}x {base_name}'s attention slope {where} " \
+    basis = f"kvpolicy's {kernel} kernel: {raw:.2f}x {base_name}'s attention slope {where} " \
             f"({'; '.join(notes)})"
-    phrase = f"{ratio:.2f}x {base_name}'s attention slope in kvpolicy's {kernel} kernel ({m_gpu}, {m.geometry} " \
+    phrase = f"{raw:.2f}x {base_name}'s attention slope in kvpolicy's {kernel} kernel ({m_gpu}, {m.geometry} " \
              f"layer, batch {m.batch})"
     return KernelFigure(ratio, basis, phrase)
 

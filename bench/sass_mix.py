@@ -84,8 +84,8 @@ def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages
 
 def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bool = True,
                      maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2):
-    """The Gluon TurboQuant kernel (kernels/tq_gluon.py; per_warp: kernels/tq_warp.py, 64-token tiles) for
-    `fmt`, 8 KV heads, planar pages, split, no sinks."""
+    """The Gluon TurboQuant kernel (kernels/tq_gluon.py; per_warp: kernels/tq_warp.py, 1, 2 or 4 pages per warp
+    for block_n 64, 128 or 256) for `fmt`, 8 KV heads, planar pages, split, no sinks."""
     from kvpolicy.kernels import tq_gluon as tg
     from triton.experimental.gluon._runtime import GluonASTSource
 

@@ -29,7 +29,7 @@
 #   ppw4:    GPU tests of four pages per warp (head_dim 64), then the probe of four pages against the
 #            two-page defaults on the gpt-oss layer, 128k.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 evidence_run() {  # TAG: the evidence run (every row, batch 8) and the Gluon rows at batch 1

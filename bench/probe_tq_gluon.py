@@ -74,7 +74,7 @@ def main() -> None:
                                                per_warp=bool(per_warp), pages_ahead=ahead)
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev,
-                                              waves=cfg.split_waves, wave_tiles=cfg.split_wave_tiles)
+                                              waves=())
                         tg.default_config = lambda fmt, head_dim, cfg=cfg: cfg  # noqa: E731 - the router reads it
                         for scale in map(float, args.split_scale.split(",")):
                             splits = max(1, int(default * scale))

@@ -170,7 +170,8 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
     `waves`: the whole-wave multiples tried at long contexts, largest first. The Gluon kernel passes
     none: one wave measured fastest for it (bench/probe_gluon.py, NOTES.md v8; gpt-oss layer, batch 8,
     128k: 4 splits 259.5-261.3 us, 8 splits 305.5 us). `wave_tiles`: the tiles each split keeps when
-    it takes more waves (the TurboQuant per-warp kernel: 128, `tq_gluon.TQGluonConfig.split_wave_tiles`).
+    it takes more waves (the TurboQuant per-warp kernel measured 128 at 64-token tiles; its defaults now
+    take one wave).
     """
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
     pairs = batch * num_kv_heads

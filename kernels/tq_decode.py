@@ -579,7 +579,7 @@ def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, scale, sliding_w
         span = _span(block_tables, tq_gluon.PAGE, sliding_window, cfg.block_n)
         num_splits = split_count(bsz, hkv, span, cfg.block_n,
                                  tq_gluon.programs_per_sm(fmt, d, query.device, cfg), query.device,
-                                 waves=cfg.split_waves, wave_tiles=cfg.split_wave_tiles)
+                                 waves=())
     if tq_layout(fmt, d).key_fp8:
         q16, q_scale = query, scale * LOG2E  # FP8 keys are not rotated
     else:

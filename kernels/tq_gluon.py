@@ -516,11 +516,6 @@ class TQGluonConfig:
     kernel: the common tile then needs no cross-warp max and no rescaling, only each warp's "passed" flag,
     read after the barrier P needs anyway. Per-warp kernel: a warp whose heads all kept their max skips the
     rescale of its O^T (`tq_warp.rescale_ptx`). False: the exact running max of every tile."""
-    split_waves: tuple[int, ...] = ()
-    """Whole-wave multiples the split count may take at long contexts (`decode_attention.split_count`);
-    none: one wave."""
-    split_wave_tiles: int = 64
-    """Tiles each split keeps when the split count takes more waves (`split_count`'s `wave_tiles`)."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
@@ -546,7 +541,9 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
       for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
       128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
-    if fmt in ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
+    from kvpolicy.kernels import tq_warp
+
+    if fmt in tq_warp.FORMATS:
         if head_dim == 64 and fmt != "turboquant_3bit_nc":
             return TQGluonConfig(block_n=256, per_warp=True)
         return TQGluonConfig(block_n=128, per_warp=True)

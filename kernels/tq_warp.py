@@ -182,11 +182,11 @@ def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...
 
 
 def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64) -> dict:
-    """The kernel's tile constexprs: BN, PPW, the score, field and load layouts (3-bit values are 8 words per
+    """The kernel's tile constexprs: BN (the kernel derives the pages per warp from it), the score, field and load layouts (3-bit values are 8 words per
     token, one per thread g, at any head_dim: `_load_w`) and the value operand's relabelling."""
     ppw = pages_per_warp(block_n)
     v_shape, v_order = value_axes(head_dim, value_bits, ppw)
-    return dict(BN=block_n, PPW=ppw, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout4(key_bytes, ppw),
+    return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout4(key_bytes, ppw),
                 V_LAYOUT=value_layout4(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order)
 
 
@@ -342,13 +342,17 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     # fields of the tokens in the score's columns (planes of 16 halves per page)
     tk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, FL)))
     f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, :, None] + tk[None, None, :]
-    tl: gl.constexpr = gl.SliceLayout(1, XL)
-    knorm = gl.convert_layout(gl.reshape(gl.load(f), [4, BN // 4]), tl).to(gl.float16, bitcast=True).to(gl.float32)
-    vscale = gl.convert_layout(gl.reshape(gl.load(f + 16 * (NF - 2)), [4, BN // 4]), tl)
-    vscale = vscale.to(gl.float16, bitcast=True).to(gl.float32)
-    vzero = gl.convert_layout(gl.reshape(gl.load(f + 16 * (NF - 1)), [4, BN // 4]), tl)
-    vzero = vzero.to(gl.float16, bitcast=True).to(gl.float32)
+    knorm = _field(f, BN, XL)
+    vscale = _field(f + 16 * (NF - 2), BN, XL)
+    vzero = _field(f + 16 * (NF - 1), BN, XL)
     return kc, ks, vc, vh, knorm, vscale, vzero
+
+
+@gluon.jit
+def _field(f, BN: gl.constexpr, XL: gl.constexpr):
+    """One fp16 field of the warps' pages (pointers [4, PPW, 16]) -> fp32 [4, BN/4] in the score columns' layout."""
+    x = gl.convert_layout(gl.reshape(gl.load(f), [4, BN // 4]), gl.SliceLayout(1, XL))
+    return x.to(gl.float16, bitcast=True).to(gl.float32)
 
 
 @gluon.jit
@@ -415,7 +419,7 @@ def _tq_warp_kernel(
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
     VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
-    BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
+    BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr,
     PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
     IS_SPLIT: gl.constexpr,
@@ -425,6 +429,7 @@ def _tq_warp_kernel(
     seq = gl.program_id(2)
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
     ROWL: gl.constexpr = gl.SliceLayout(2, XL)
+    PPW: gl.constexpr = BN // 64  # `pages_per_warp`
 
     # The query as two signed bytes per coordinate, in the score MMA's K order (as `tq_gluon`), then the
     # mma.sync A operand [4, 16, D] (every warp the whole query; once per program).

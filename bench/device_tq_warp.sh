@@ -28,8 +28,15 @@
 #            head_dim 64: the warpgroup kernel against two pages per warp, uncapped or capped at 168;
 #   ppw4:    GPU tests of four pages per warp (head_dim 64), then the probe of four pages against the
 #            two-page defaults on the gpt-oss layer, 128k.
+# session 21:
+#   fold:    GPU tests of the per-warp kernel (pytest-xdist from .whl), then the probe of the tile's pages
+#            summed in-thread (kernels/tq_warp.py) under the register caps it makes room for, and the same
+#            probe's default cases on the kernel before it (.ab/tq_warp_base.py, git-ignored: carry it);
+#   sum:     the probe of TQGluonConfig.sum_pages off and on for each per-warp default (value rows as
+#            immediates in both), and the same defaults on the kernel before both (.ab/tq_warp_base.py);
+#   pw:      the GPU tests of the per-warp kernel (all of `-k per_warp`, about 6 minutes).
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 evidence_run() {  # TAG: the evidence run (every row, batch 8) and the Gluon rows at batch 1
@@ -118,6 +125,43 @@ elif [ "$2" = ppw4 ]; then
   timeout 60 python3 bench/probe_tq_gluon.py --formats turboquant_k3v4_nc $p --block-n 128,256 --maxnreg 0 \
     --out "$out/probe_ppw4_k3v4.json" 2>&1 | grep -v picked > "$out/probe_3.log"
   cat "$out"/probe_*.log
+elif [ "$2" = fold ]; then
+  timeout 240 python3 -m pytest -q -n 8 tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \
+    > "$out/pytest_fold.log" 2>&1; tail -3 "$out/pytest_fold.log"
+  p="--contexts 131072 --batch 1,8 --per-warp 1 --lazy 1 --split-scale 1,2 --pages-ahead 2"
+  fold_probe() {  # TAG GEOMETRY FORMATS BLOCK_N MAXNREG (one log: at most 8 files come back)
+    echo "== $*" >> "$out/probe_fold.log"
+    timeout 120 python3 bench/probe_tq_gluon.py --geometries $2 --formats $3 --block-n $4 --maxnreg $5 $p \
+      --out "$out/probe_$1.json" 2>&1 | grep -v picked >> "$out/probe_fold.log"
+  }
+  fold_probe fold_g4 gpt-oss-20b turboquant_4bit_nc,turboquant_k3v4_nc 256 0,168
+  fold_probe fold_g3 gpt-oss-20b turboquant_3bit_nc 128,256 0
+  fold_probe fold_l llama-3.1-8b turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc 128 0,168
+  cp kernels/tq_warp.py "$out/tq_warp_fold.py"; cp .ab/tq_warp_base.py kernels/tq_warp.py
+  fold_probe base_g gpt-oss-20b turboquant_4bit_nc,turboquant_k3v4_nc 256 0
+  fold_probe base_g3 gpt-oss-20b turboquant_3bit_nc 128 0
+  fold_probe base_l llama-3.1-8b turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc 128 0
+  cp "$out/tq_warp_fold.py" kernels/tq_warp.py; rm "$out/tq_warp_fold.py"
+  grep -E "^==|gl |b[18] " "$out/probe_fold.log"
+elif [ "$2" = sum ]; then
+  p="--contexts 131072 --batch 1,8 --per-warp 1 --lazy 1 --pages-ahead 2 --maxnreg 0"
+  sum_probe() {  # TAG GEOMETRY FORMATS BLOCK_N SUM_PAGES SPLIT_SCALES
+    echo "== $*" >> "$out/probe_sum.log"
+    timeout 120 python3 bench/probe_tq_gluon.py --geometries $2 --formats $3 --block-n $4 --sum-pages $5 --split-scale $6 \
+      $p --out "$out/probe_$1.json" 2>&1 | grep -v picked >> "$out/probe_sum.log"
+  }
+  sum_probe sum_g4 gpt-oss-20b turboquant_4bit_nc,turboquant_k3v4_nc 256 0,1 1
+  sum_probe sum_g3 gpt-oss-20b turboquant_3bit_nc 128 0,1 1,1.5
+  sum_probe sum_l llama-3.1-8b turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc 128 0,1 1
+  cp kernels/tq_warp.py "$out/tq_warp_new.py"; cp .ab/tq_warp_base.py kernels/tq_warp.py
+  sum_probe sbase_g4 gpt-oss-20b turboquant_4bit_nc,turboquant_k3v4_nc 256 0 1
+  sum_probe sbase_g3 gpt-oss-20b turboquant_3bit_nc 128 0 1
+  sum_probe sbase_l llama-3.1-8b turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc 128 0 1
+  cp "$out/tq_warp_new.py" kernels/tq_warp.py; rm "$out/tq_warp_new.py"
+  grep -E "^==|gl |b[18] " "$out/probe_sum.log"
+elif [ "$2" = pw ]; then
+  timeout 560 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \
+    > "$out/pytest_pw.log" 2>&1; tail -3 "$out/pytest_pw.log"
 elif [ "$2" = evidence ]; then
   evidence_run "${TAG:?set TAG, e.g. tq14}"
 elif [ "$2" = waves ]; then

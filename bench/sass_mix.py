@@ -83,7 +83,7 @@ def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages
 
 
 def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bool = True,
-                     maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2):
+                     maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2, sum_pages: bool = False):
     """The Gluon TurboQuant kernel (kernels/tq_gluon.py; per_warp: kernels/tq_warp.py, 1, 2 or 4 pages per warp
     for block_n 64, 128 or 256) for `fmt`, 8 KV heads, planar pages, split, no sinks."""
     from kvpolicy.kernels import tq_gluon as tg
@@ -98,7 +98,7 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
 
         fn = tw._tq_warp_kernel
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-        constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n))
+        constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n, sum_pages))
     pointers = {"q_ptr": "*fp16", "order_ptr": "*i32", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
@@ -148,22 +148,27 @@ def _main_loop(at: dict[int, str]) -> tuple[int, int]:
     return head, end
 
 
-def loop_mix(text: str) -> collections.Counter:
-    """Opcode counts of the largest backward-branch loop body."""
-    at = _listing(text)
-    head, end = _main_loop(at)
+def _mix(lines) -> collections.Counter:
     ops = collections.Counter()
-    for a in sorted(at):
-        m = head <= a <= end and re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", at[a])
+    for ln in lines:
+        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", ln)
         if m:
             ops[m.group(1)] += 1
     return ops
 
 
-def common_path(text: str) -> tuple[int, int]:
+def loop_mix(text: str) -> collections.Counter:
+    """Opcode counts of the largest backward-branch loop body."""
+    at = _listing(text)
+    head, end = _main_loop(at)
+    return _mix(at[a] for a in sorted(at) if head <= a <= end)
+
+
+def common_path(text: str) -> tuple[int, int, collections.Counter]:
     """(instructions, tiles) on the Gluon TurboQuant kernel's common path through its loop: the shortest path
     from the loop head to the backward branch, which takes the non-edge copy of `_attend` and the lazy max's
-    skip of the exact-max redo; per thread. Tiles: the loop iteration's tiles (two wgmma per tile)."""
+    skip of the exact-max redo; per thread. Tiles: the loop iteration's tiles (two wgmma per tile). Also the
+    path's opcode counts."""
     at = _listing(text)
     head, end = _main_loop(at)
     best: dict[int, tuple[int, int | None]] = {end: (1, None)}  # address -> (count to the end, next address)
@@ -174,11 +179,12 @@ def common_path(text: str) -> tuple[int, int]:
         nxt += [t] if t is not None and t > pc else []
         n = min((n for n in nxt if n in best), key=lambda n: best[n][0])
         best[pc] = (1 + best[n][0], n)
-    arrives, pc = 0, head
+    arrives, pc, path = 0, head, []
     while pc is not None:
         arrives += "WARPGROUP.ARRIVE" in at[pc]
+        path.append(at[pc])
         pc = best[pc][1]
-    return best[head][0], max(1, arrives // 2)
+    return best[head][0], max(1, arrives // 2), _mix(path)
 
 
 def main() -> None:
@@ -198,13 +204,15 @@ def main() -> None:
     ap.add_argument("--tq-gluon", metavar="FORMAT", help="count the Gluon TurboQuant kernel (planar pages) instead")
     ap.add_argument("--exact-max", action="store_true", help="Gluon TurboQuant: TQGluonConfig.lazy_max off")
     ap.add_argument("--per-warp", action="store_true", help="Gluon TurboQuant: the per-warp kernel (tq_warp.py)")
+    ap.add_argument("--sum-pages", action="store_true", help="per-warp kernel: TQGluonConfig.sum_pages")
     ap.add_argument("--pages-ahead", type=int, default=2, help="Gluon TurboQuant: TQGluonConfig.pages_ahead")
     ap.add_argument("--prefetch", action="store_true", help="TurboQuant: register prefetch of the next tile")
     ap.add_argument("--slot", type=int, help="TurboQuant: slot stride in bytes (padding experiments)")
     ap.add_argument("--dump", help="write the full SASS here")
     a = ap.parse_args()
     if a.tq_gluon:
-        k = compile_tq_gluon(a.tq_gluon, a.head_dim, a.block_n, a.group, not a.exact_max, a.maxnreg, a.per_warp, a.pages_ahead)
+        k = compile_tq_gluon(a.tq_gluon, a.head_dim, a.block_n, a.group, not a.exact_max, a.maxnreg, a.per_warp, a.pages_ahead,
+                             a.sum_pages)
     elif a.tq:
         k = compile_tq(a.tq, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, a.prefetch, a.maxnreg, a.slot)
     else:
@@ -230,9 +238,10 @@ def main() -> None:
     for op, n in ops.items():
         fam[op.split(".")[0]] += n
     if a.tq_gluon:
-        n, tiles = common_path(text)
+        n, tiles, path_ops = common_path(text)
         print(f"common path: {n / tiles:.1f} instructions per thread per tile, "
               f"{n * a.num_warps / (tiles * a.block_n):.1f} warp-instructions per (token, KV head)")
+        print("  common path: " + "  ".join(f"{op} {k}" for op, k in path_ops.most_common(24)))
     print("  " + "  ".join(f"{op} {n}" for op, n in fam.most_common(18)))
     print("  " + "  ".join(f"{op} {n}" for op, n in ops.most_common() if op.startswith(("LDS", "LDSM", "STS", "LDG", "F2FP", "F2F", "HMMA", "HGMMA", "QGMMA"))))
 

@@ -516,6 +516,10 @@ class TQGluonConfig:
     kernel: the common tile then needs no cross-warp max and no rescaling, only each warp's "passed" flag,
     read after the barrier P needs anyway. Per-warp kernel: a warp whose heads all kept their max skips the
     rescale of its O^T (`tq_warp.rescale_ptx`). False: the exact running max of every tile."""
+    sum_pages: bool = False
+    """Per-warp kernel with two or four pages per warp: add the tile's pages up in each thread before the
+    softmax sums take them, so that those sums keep one page's shape (fewer registers and rescales; ptxas
+    then schedules some formats better, others worse: `default_config`)."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
@@ -533,6 +537,11 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       spills, 2 programs per SM): gpt-oss layer 190.3 us against 206.6 (two pages, capped at 128) and 193.3
       against 205.9 at batch 8, 35.0 against 38.4 and 34.9 against 36.6 at batch 1
       (`bench/results_tq_warp_ppw/probe_ppw4_*.json`). 3bit_nc spills with four (104 bytes) and keeps two.
+    - The tile's pages summed in-thread before the softmax sums (`sum_pages`; thirteenth session,
+      `bench/results_tq_warp_fold/probe_sum_*.json`, batch 8, 128k, us, off / on): gpt-oss layer 4bit_nc
+      180.8 / 179.3, k3v4_nc 202.0 / 188.4; Llama layer 4bit_nc 300.7 / 297.8, k3v4_nc 278.3 / 280.1, 3bit_nc
+      327.1 / 322.9. 3bit_nc at head_dim 64 keeps it off: 228.5 / 245.9 (ptxas drops to 165 registers and
+      recomputes shifts, 453 -> 492 instructions per tile).
     - One wave of splits: with 2 programs per SM two waves were slower (Llama 4bit_nc 305.1 against 311.0
       us, gpt-oss 4bit_nc with four pages 190.3 against 193.3). Two pages capped at 128 registers (4 per SM)
       were the one case where two waves won (206.0 against 212.3).
@@ -544,9 +553,9 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     from kvpolicy.kernels import tq_warp
 
     if fmt in tq_warp.FORMATS:
-        if head_dim == 64 and fmt != "turboquant_3bit_nc":
-            return TQGluonConfig(block_n=256, per_warp=True)
-        return TQGluonConfig(block_n=128, per_warp=True)
+        if head_dim == 64 and fmt == "turboquant_3bit_nc":
+            return TQGluonConfig(block_n=128, per_warp=True)
+        return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)

@@ -158,15 +158,28 @@ def key_layout4(key_bytes: int, ppw: int) -> gl.DistributedLinearLayout:
         warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, ppw, PAGE, key_bytes // 4])
 
 
-def value_layout4(head_dim: int, ppw: int) -> gl.DistributedLinearLayout:
-    """Value code words [warp, page, row, D/8]: thread (g, c) holds words [E g, E g + E) (E = D/64: its 8 or 4
-    bytes) of rows {2c, 2c + 1, 8 + 2c, 9 + 2c} of each of its warp's pages, the tokens of its P^T B-operand
-    rows."""
+def value_layout(head_dim: int, ppw: int) -> gl.DistributedLinearLayout:
+    """Value code words [warp, page, r8, c, r1, D/8] (row 8 r8 + 2 c + r1 of each page): thread (g, c) holds
+    words [E g, E g + E) (E = D/64: its 8 or 4 bytes) of rows {2c, 2c + 1, 8 + 2c, 9 + 2c} of each of its warp's
+    pages, the tokens of its P^T B-operand rows. The register-only axes r8 and r1 are their own dims so that
+    each register's row offset is a constant: one address per thread and page, the rows as immediates (with
+    one row axis ptxas formed four 64-bit addresses per page)."""
     e = head_dim // 64
     return gl.DistributedLinearLayout(
-        reg_bases=([[0, 0, 0, 1]] if e == 2 else []) + [[0, 0, 1, 0], [0, 0, 8, 0]] + [[0, 1 << k, 0, 0] for k in range(ppw.bit_length() - 1)],
-        lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 0, e], [0, 0, 0, 2 * e], [0, 0, 0, 4 * e]],
-        warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, ppw, PAGE, head_dim // 8])
+        reg_bases=([[0, 0, 0, 0, 0, 1]] if e == 2 else []) + [[0, 0, 0, 0, 1, 0], [0, 0, 1, 0, 0, 0]]
+        + [[0, 1 << k, 0, 0, 0, 0] for k in range(ppw.bit_length() - 1)],
+        lane_bases=[[0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0], [0, 0, 0, 0, 0, e], [0, 0, 0, 0, 0, 2 * e],
+                    [0, 0, 0, 0, 0, 4 * e]],
+        warp_bases=[[1, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0]], block_bases=[], shape=[4, ppw, 2, 4, 2, head_dim // 8])
+
+
+@gluon.constexpr_function
+def sliced(layout, keep, rank):
+    """`layout` with every axis but those in `keep` sliced away (for aranges and broadcasts along them)."""
+    for d in reversed(range(rank)):
+        if d not in keep:
+            layout = gl.SliceLayout(d, layout)
+    return layout
 
 
 def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -181,13 +194,17 @@ def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...
     return (4, ppw, 2, 4, 8, 2, 2, 2, 2), (0, 7, 6, 8, 4, 1, 2, 3, 5)
 
 
-def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64) -> dict:
-    """The kernel's tile constexprs: BN (the kernel derives the pages per warp from it), the score, field and load layouts (3-bit values are 8 words per
-    token, one per thread g, at any head_dim: `_load_w`) and the value operand's relabelling."""
+def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, sum_pages: bool = False) -> dict:
+    """The kernel's tile constexprs: BN (the kernel derives the pages per warp from it), the score, field and
+    load layouts (3-bit values are 8 words per token, one per thread g, at any head_dim: `_load_w`), the value
+    operand's relabelling, and the softmax sums' layout SL: the score layout, or with `sum_pages` (and more
+    than one page per warp) one page's, the pages added in-thread first (`TQGluonConfig.sum_pages`)."""
     ppw = pages_per_warp(block_n)
     v_shape, v_order = value_axes(head_dim, value_bits, ppw)
+    fold = sum_pages and ppw > 1
     return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout4(key_bytes, ppw),
-                V_LAYOUT=value_layout4(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order)
+                V_LAYOUT=value_layout(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order,
+                SL=score_layout(1 if fold else ppw), SUM_PAGES=fold)
 
 
 def dim_of_row(head_dim: int, value_bits: int = 4) -> torch.Tensor:
@@ -245,7 +262,7 @@ def _halves(w):
 
 @gluon.jit
 def _values_operand(vc, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr):
-    """Value code words [BN, D/8] (`value_layout4` flattened) -> the fp16 A operand V_w^T [4, D, BN/4] of exact
+    """Value code words [BN, D/8] (`value_layout` flattened) -> the fp16 A operand V_w^T [4, D, BN/4] of exact
     subnormals (16^u x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row`, column = the warp's token
     16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
     a, b = gl.split(gl.permute(gl.reshape(vc, [BN // 2, 2, HEAD_DIM // 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
@@ -262,7 +279,7 @@ def _values_operand(vc, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.co
 @gluon.jit
 def _values_operand3(v2, v1, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr,
                      V_ORDER: gl.constexpr):
-    """3-bit value words [BN, 8] (`value_layout4(64)` flattened; `_load_w`) -> the fp16 A operand V_w^T
+    """3-bit value words [BN, 8] (`value_layout(64)` flattened; `_load_w`) -> the fp16 A operand V_w^T
     [4, D, BN/4] of exact subnormals (4^s x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row(D, 3)`, column
     = the warp's token 16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
     a2, b2 = gl.split(gl.permute(gl.reshape(v2, [BN // 2, 2, 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
@@ -302,7 +319,7 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
             FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
     """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (`key_layout4`
     flattened; 3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words
-    (4-bit: [BN, D/8], `value_layout4`; 3-bit: [BN, 8], a word of the 2-bit plane and one of the 1-bit plane per
+    (4-bit: [BN, D/8], `value_layout`; 3-bit: [BN, 8], a word of the 2-bit plane and one of the 1-bit plane per
     thread and token, else 0), the fp16 fields [4, BN/4] in the score columns' layout."""
     base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
     # keys: rows r, r + 8 of each of the warp's pages, a quarter row per thread
@@ -319,23 +336,24 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
         ks = gl.load(cache32_ptr + kb + 4 * KBM + kr * W1 + kw % W1) >> (kw // W1)
         ks = gl.reshape(ks, [BN, KBM // 4])
     # values: rows 2c, 2c + 1, 8 + 2c, 9 + 2c of each of the warp's pages, thread g's D/16 bytes
-    vl: gl.constexpr = gl.SliceLayout(3, V_LAYOUT)
-    vb = gl.convert_layout(base, gl.SliceLayout(2, vl))[:, :, None, None]
-    vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, vl)))[None, None, :, None]
-    vx: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_LAYOUT)))
+    vb = gl.convert_layout(base, sliced(V_LAYOUT, (0, 1), 6))[:, :, None, None, None, None]
+    r8 = gl.arange(0, 2, layout=sliced(V_LAYOUT, (2,), 6))[None, None, :, None, None, None]
+    r2 = gl.arange(0, 4, layout=sliced(V_LAYOUT, (3,), 6))[None, None, None, :, None, None]
+    r1 = gl.arange(0, 2, layout=sliced(V_LAYOUT, (4,), 6))[None, None, None, None, :, None]
+    rows = r8 * 8 + r2 * 2 + r1
+    vw = gl.arange(0, V_LAYOUT.shape[5], layout=sliced(V_LAYOUT, (5,), 6))[None, None, None, None, None, :]
     vh = 0
     if V_BITS == 4:
-        vw = gl.arange(0, VBM // 4, layout=vx)[None, None, None, :]
-        vc = gl.reshape(gl.load(cache32_ptr + vb + 4 * KB + vr * (VBM // 4) + vw), [BN, VBM // 4])
+        vc = gl.reshape(gl.load(cache32_ptr + vb + 4 * KB + rows * (VBM // 4) + vw), [BN, VBM // 4])
     else:
         # thread g: the D/32 bytes of the 2-bit plane from byte j = g D/32 (word j / 4, from its byte j % 4),
         # and the 1-bit word of the same codes shifted into place (`tq_gluon._plane_words`), both moved down
         # by j % 4 bytes (D 64: threads 2k and 2k + 1 share a word). Signed shifts: the bits above are unused.
         WV: gl.constexpr = HEAD_DIM // 32
-        j = gl.arange(0, 8, layout=vx)[None, None, None, :] * (HEAD_DIM // 32)
+        j = vw * (HEAD_DIM // 32)
         c = j // 4
-        vc = gl.load(cache32_ptr + vb + 4 * KB + vr * (VBM // 4) + c) >> (8 * (j % 4))
-        vh = gl.load(cache32_ptr + vb + 4 * (KB + VBM) + vr * WV + c % WV) >> (c // WV + 8 * (j % 4))
+        vc = gl.load(cache32_ptr + vb + 4 * KB + rows * (VBM // 4) + c) >> (8 * (j % 4))
+        vh = gl.load(cache32_ptr + vb + 4 * (KB + VBM) + rows * WV + c % WV) >> (c // WV + 8 * (j % 4))
         vc = gl.reshape(vc, [BN, 8])
         vh = gl.reshape(vh, [BN, 8])
 
@@ -359,7 +377,7 @@ def _field(f, BN: gl.constexpr, XL: gl.constexpr):
 def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
           LAZY: gl.constexpr, EDGE: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr,
-          V_ORDER: gl.constexpr):
+          V_ORDER: gl.constexpr, SL: gl.constexpr, SUM_PAGES: gl.constexpr):
     """One tile, each warp its BN/4 tokens: S_w, online softmax (exact or lazy max), O_w^T += V_w^T P_w^T.
     EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
     path). The tile's bytes come from `_load_w`, issued one tile ahead."""
@@ -390,8 +408,15 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)  # exactly 1 where the max stayed (ex2 of 0): the rescale below is skipped
     p = gl.exp2(x - m_use[:, :, None])
-    l_part = l_part * alpha[:, :, None] + p
-    z_part = z_part * alpha[:, :, None] + p * vzero[:, None, :]
+    if SUM_PAGES:
+        # the tile's pages added in-thread first (register bits of the score layout): sums of one page's shape
+        a1 = gl.convert_layout(alpha, gl.SliceLayout(2, SL))[:, :, None]
+        l_part = l_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p, [4, 8, BN // 64, 16]), 2), SL)
+        z_part = z_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p * vzero[:, None, :], [4, 8, BN // 64, 16]), 2),
+                                                 SL)
+    else:
+        l_part = l_part * alpha[:, :, None] + p
+        z_part = z_part * alpha[:, :, None] + p * vzero[:, None, :]
     pb = gl.convert_layout(gl.permute((p * vscale[:, None, :]).to(gl.float16), (0, 2, 1)), PB)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
     if LAZY:
@@ -420,7 +445,7 @@ def _tq_warp_kernel(
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
     VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
     BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
-    V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr,
+    V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SL: gl.constexpr, SUM_PAGES: gl.constexpr,
     PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
     IS_SPLIT: gl.constexpr,
 ):
@@ -454,8 +479,9 @@ def _tq_warp_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
 
     m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
-    l_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
-    z_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
+    SUM_N: gl.constexpr = 16 if SUM_PAGES else BN // 4
+    l_part = gl.zeros([4, 8, SUM_N], gl.float32, layout=SL)  # per-thread softmax sums (and of P x zero point)
+    z_part = gl.zeros([4, 8, SUM_N], gl.float32, layout=SL)
     acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
     # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
     # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
@@ -477,11 +503,11 @@ def _tq_warp_kernel(
         if (tile * BN < start) | (tile * BN + BN > seq_len):
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             LAZY, True, BN, XL, V_SHAPE, V_ORDER)
+                                             LAZY, True, BN, XL, V_SHAPE, V_ORDER, SL, SUM_PAGES)
         else:
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             LAZY, False, BN, XL, V_SHAPE, V_ORDER)
+                                             LAZY, False, BN, XL, V_SHAPE, V_ORDER, SL, SUM_PAGES)
         kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     # merge the 4 warps: each its own max, sums and O^T
@@ -489,8 +515,8 @@ def _tq_warp_kernel(
     m_use = gl.where(m_f == float("-inf"), 0.0, m_f)
     w_scale = gl.exp2(m_i - m_use[None, :])  # [4, 8]; 0 for a warp that saw nothing
     w_scale = gl.where(m_i == float("-inf"), 0.0, w_scale)
-    l_i = gl.sum(gl.sum(l_part, 2) * w_scale, 0)
-    z_i = gl.sum(gl.sum(z_part, 2) * w_scale, 0)
+    l_i = gl.sum(gl.convert_layout(gl.sum(l_part, 2), ROWL) * w_scale, 0)
+    z_i = gl.sum(gl.convert_layout(gl.sum(z_part, 2), ROWL) * w_scale, 0)
     ws = gl.convert_layout(w_scale, gl.SliceLayout(1, MMA))
     o = gl.sum(acc * ws[:, None, :], 0)  # [D, 8]
     out_l: gl.constexpr = gl.SliceLayout(0, MMA)
@@ -518,12 +544,13 @@ def _tq_warp_kernel(
 
 FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 """Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values."""
-REGISTERS = {"turboquant_4bit_nc": {(64, 64): 109, (64, 128): 153, (64, 256): 254, (128, 64): 152, (128, 128): 222},
-             "turboquant_k3v4_nc": {(64, 64): 117, (64, 128): 160, (64, 256): 254, (128, 64): 153, (128, 128): 222},
-             "turboquant_3bit_nc": {(64, 64): 127, (64, 128): 198, (128, 64): 160, (128, 128): 238}}
+REGISTERS = {"turboquant_4bit_nc": {(64, 64): 95, (64, 128): 149, (64, 256): 254, (128, 64): 147, (128, 128): 205},
+             "turboquant_k3v4_nc": {(64, 64): 110, (64, 128): 161, (64, 256): 248, (128, 64): 150, (128, 128): 208},
+             "turboquant_3bit_nc": {(64, 64): 127, (64, 128): 198, (128, 64): 157, (128, 128): 223}}
 """Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
-two tiles ahead, the default max: lazy for 4bit_nc and 3bit_nc, exact for k3v4_nc; `bench/sass_mix.py
---tq-gluon FORMAT --head-dim D --block-n BN --per-warp [--exact-max]`); `TQGluonConfig.maxnreg` overrides."""
+two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` as `tq_gluon.default_config` sets it: on, except for
+3bit_nc at head_dim 64; `bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n BN --per-warp
+[--sum-pages]`); `TQGluonConfig.maxnreg` overrides."""
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -551,7 +578,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n),
+        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages),
         PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))

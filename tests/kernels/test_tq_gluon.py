@@ -119,16 +119,19 @@ def test_gluon_routing_says_why(device: str) -> None:
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("d, hq", SHAPES)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
-@pytest.mark.parametrize("block_n, maxnreg, ahead", [(64, None, 2), (64, 128, 2), (64, None, 1), (128, None, 2),
-                                                     (128, 128, 1)])
+@pytest.mark.parametrize("block_n, maxnreg, ahead, sum_pages", [(64, None, 2, False), (64, 128, 2, False),
+                                                                (64, None, 1, False), (128, None, 2, False),
+                                                                (128, None, 2, True), (128, 128, 1, True)])
 def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool, splits, block_n: int,
-                                           maxnreg, ahead: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                           maxnreg, ahead: int, sum_pages: bool, device: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """`tq_warp`'s per-warp mma.sync kernel against the float64 reference over the int8 centroids, the shapes
     of the warpgroup kernel's test: one or two pages per warp, with and without a register cap, pages loaded
-    one or two tiles ahead."""
+    one or two tiles ahead, the two pages' softmax sums kept apart or added in-thread (`sum_pages`)."""
     from kvpolicy.kernels import tq_gluon
 
-    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, maxnreg=maxnreg, pages_ahead=ahead)
+    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, maxnreg=maxnreg, pages_ahead=ahead,
+                                 sum_pages=sum_pages)
     _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
 
 
@@ -136,31 +139,34 @@ def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, si
 @hopper_only
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
 @pytest.mark.parametrize("window, sinks, splits", CASES)
-def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, splits, device: str,
+@pytest.mark.parametrize("sum_pages", [False, True])
+def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, splits, sum_pages: bool, device: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Four pages per warp (256-token tiles) at head_dim 64, where the 4-bit-value formats compile without
-    spills (254 registers)."""
+    spills (248-254 registers), with the pages' softmax sums apart or added in-thread."""
     from kvpolicy.kernels import tq_gluon
 
-    cfg = tq_gluon.TQGluonConfig(block_n=256, per_warp=True)
+    cfg = tq_gluon.TQGluonConfig(block_n=256, per_warp=True, sum_pages=sum_pages)
     _check_config(cfg, fmt, device, monkeypatch, 64, 64, window, sinks, splits)
 
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt, d, block_n", [("turboquant_4bit_nc", 128, 64), ("turboquant_4bit_nc", 64, 64),
-                                              ("turboquant_3bit_nc", 128, 64), ("turboquant_4bit_nc", 64, 128)])
+@pytest.mark.parametrize("fmt, d, block_n, sum_pages", [
+    ("turboquant_4bit_nc", 128, 64, False), ("turboquant_4bit_nc", 64, 64, False), ("turboquant_3bit_nc", 128, 64, False),
+    ("turboquant_4bit_nc", 64, 128, False), ("turboquant_4bit_nc", 64, 256, True), ("turboquant_3bit_nc", 128, 128, True)])
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("head", [0, 1, 6])
-def test_per_warp_lazy_max_rescales_a_lone_rising_head(fmt: str, d: int, block_n: int, lazy: bool, head: int,
-                                                       device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_per_warp_lazy_max_rescales_a_lone_rising_head(fmt: str, d: int, block_n: int, sum_pages: bool, lazy: bool,
+                                                       head: int, device: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """GQA 8, and only head `head` of each group sees its scores rise along the sequence (the others fall): a
     warp skips its O^T rescale only when no head's reference max moved (`tq_warp.rescale_ptx`'s vote over each
     thread's two heads), so that head's output still matches the float64 reference, with splits and without,
     whichever accumulator column it sits in."""
     from kvpolicy.kernels import tq_gluon
 
-    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, lazy_max=lazy)
+    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, lazy_max=lazy, sum_pages=sum_pages)
     monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: cfg)
     for splits in (1, 3):
         out, ref, _ = run_planar(fmt, device, bsz=2, hq=64, hkv=8, d=d, seq=(1025, 700), splits=splits,

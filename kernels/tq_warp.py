@@ -16,8 +16,10 @@ pages (`pages_per_warp`: 16-64 tokens) of every 64-, 128- or 256-token tile and 
   shared memory;
 - the warps' (max, sums, O^T) are merged once, at the end.
 Two pages per warp (twelfth session) double each warp's loads in flight and the MMAs per softmax step: 10-16%
-faster at 128k on both layers, though at head_dim 128 they take 217-243 registers (2 programs per SM); four
-pages at head_dim 64 another 6-9% (254 registers).
+faster at 128k on both layers, though at head_dim 128 they take 205-223 registers (2 programs per SM); four
+pages at head_dim 64 another 6-9% (248-254 registers). Each thread forms one address per page for its value
+rows (`value_layout`), and the pages' softmax sums can be added in-thread first (`TQGluonConfig.sum_pages`):
+together another 7% on the gpt-oss layer's 4bit_nc (thirteenth session).
 The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8). Its rescale is skipped
 when none of the warp's heads moved its max: with the lazy max (`TQGluonConfig.lazy_max`, the reference max
 moves only when a score passes it by `LAZY_MAX_MARGIN`) that is nearly every tile; Gluon has no per-warp
@@ -562,7 +564,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
                    sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg) -> torch.Tensor:
     """Run the kernel (and the shared merge when split); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
-    `TQGluonConfig` (maxnreg, pages_ahead)."""
+    `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages)."""
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
     from kvpolicy.kernels.tq_gluon import TQGluonConfig
 

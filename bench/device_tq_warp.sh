@@ -39,6 +39,15 @@ set -u
 out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
+logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
+  local log=$1 tag=$2; shift 2
+  echo "== $tag $*" >> "$out/$log"
+  timeout 120 python3 bench/probe_tq_gluon.py "$@" --out "$out/probe_$tag.json" 2>&1 | grep -v picked >> "$out/$log"
+}
+use_base() {  # the kernel before the change (.ab/tq_warp_base.py, git-ignored: carry it); use_new undoes it
+  cp kernels/tq_warp.py "$out/tq_warp_new.py"; cp .ab/tq_warp_base.py kernels/tq_warp.py
+}
+use_new() { cp "$out/tq_warp_new.py" kernels/tq_warp.py; rm "$out/tq_warp_new.py"; }
 evidence_run() {  # TAG: the evidence run (every row, batch 8) and the Gluon rows at batch 1
   timeout 360 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
     --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
@@ -129,35 +138,27 @@ elif [ "$2" = fold ]; then
   timeout 240 python3 -m pytest -q -n 8 tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \
     > "$out/pytest_fold.log" 2>&1; tail -3 "$out/pytest_fold.log"
   p="--contexts 131072 --batch 1,8 --per-warp 1 --lazy 1 --split-scale 1,2 --pages-ahead 2"
-  fold_probe() {  # TAG GEOMETRY FORMATS BLOCK_N MAXNREG (one log: at most 8 files come back)
-    echo "== $*" >> "$out/probe_fold.log"
-    timeout 120 python3 bench/probe_tq_gluon.py --geometries $2 --formats $3 --block-n $4 --maxnreg $5 $p \
-      --out "$out/probe_$1.json" 2>&1 | grep -v picked >> "$out/probe_fold.log"
-  }
-  fold_probe fold_g4 gpt-oss-20b turboquant_4bit_nc,turboquant_k3v4_nc 256 0,168
-  fold_probe fold_g3 gpt-oss-20b turboquant_3bit_nc 128,256 0
-  fold_probe fold_l llama-3.1-8b turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc 128 0,168
-  cp kernels/tq_warp.py "$out/tq_warp_fold.py"; cp .ab/tq_warp_base.py kernels/tq_warp.py
-  fold_probe base_g gpt-oss-20b turboquant_4bit_nc,turboquant_k3v4_nc 256 0
-  fold_probe base_g3 gpt-oss-20b turboquant_3bit_nc 128 0
-  fold_probe base_l llama-3.1-8b turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc 128 0
-  cp "$out/tq_warp_fold.py" kernels/tq_warp.py; rm "$out/tq_warp_fold.py"
+  g=gpt-oss-20b l=llama-3.1-8b f4=turboquant_4bit_nc,turboquant_k3v4_nc f3=turboquant_3bit_nc
+  logged_probe probe_fold.log fold_g4 --geometries $g --formats $f4 --block-n 256 --maxnreg 0,168 $p
+  logged_probe probe_fold.log fold_g3 --geometries $g --formats $f3 --block-n 128,256 --maxnreg 0 $p
+  logged_probe probe_fold.log fold_l --geometries $l --formats $f4,$f3 --block-n 128 --maxnreg 0,168 $p
+  use_base
+  logged_probe probe_fold.log base_g --geometries $g --formats $f4 --block-n 256 --maxnreg 0 $p
+  logged_probe probe_fold.log base_g3 --geometries $g --formats $f3 --block-n 128 --maxnreg 0 $p
+  logged_probe probe_fold.log base_l --geometries $l --formats $f4,$f3 --block-n 128 --maxnreg 0 $p
+  use_new
   grep -E "^==|gl |b[18] " "$out/probe_fold.log"
 elif [ "$2" = sum ]; then
   p="--contexts 131072 --batch 1,8 --per-warp 1 --lazy 1 --pages-ahead 2 --maxnreg 0"
-  sum_probe() {  # TAG GEOMETRY FORMATS BLOCK_N SUM_PAGES SPLIT_SCALES
-    echo "== $*" >> "$out/probe_sum.log"
-    timeout 120 python3 bench/probe_tq_gluon.py --geometries $2 --formats $3 --block-n $4 --sum-pages $5 --split-scale $6 \
-      $p --out "$out/probe_$1.json" 2>&1 | grep -v picked >> "$out/probe_sum.log"
-  }
-  sum_probe sum_g4 gpt-oss-20b turboquant_4bit_nc,turboquant_k3v4_nc 256 0,1 1
-  sum_probe sum_g3 gpt-oss-20b turboquant_3bit_nc 128 0,1 1,1.5
-  sum_probe sum_l llama-3.1-8b turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc 128 0,1 1
-  cp kernels/tq_warp.py "$out/tq_warp_new.py"; cp .ab/tq_warp_base.py kernels/tq_warp.py
-  sum_probe sbase_g4 gpt-oss-20b turboquant_4bit_nc,turboquant_k3v4_nc 256 0 1
-  sum_probe sbase_g3 gpt-oss-20b turboquant_3bit_nc 128 0 1
-  sum_probe sbase_l llama-3.1-8b turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc 128 0 1
-  cp "$out/tq_warp_new.py" kernels/tq_warp.py; rm "$out/tq_warp_new.py"
+  g=gpt-oss-20b l=llama-3.1-8b f4=turboquant_4bit_nc,turboquant_k3v4_nc f3=turboquant_3bit_nc
+  logged_probe probe_sum.log sum_g4 --geometries $g --formats $f4 --block-n 256 --sum-pages 0,1 --split-scale 1 $p
+  logged_probe probe_sum.log sum_g3 --geometries $g --formats $f3 --block-n 128 --sum-pages 0,1 --split-scale 1,1.5 $p
+  logged_probe probe_sum.log sum_l --geometries $l --formats $f4,$f3 --block-n 128 --sum-pages 0,1 --split-scale 1 $p
+  use_base  # its tq_warp.py ignores TQGluonConfig.sum_pages: --sum-pages 0 is the kernel as it was
+  logged_probe probe_sum.log sbase_g4 --geometries $g --formats $f4 --block-n 256 --sum-pages 0 --split-scale 1 $p
+  logged_probe probe_sum.log sbase_g3 --geometries $g --formats $f3 --block-n 128 --sum-pages 0 --split-scale 1 $p
+  logged_probe probe_sum.log sbase_l --geometries $l --formats $f4,$f3 --block-n 128 --sum-pages 0 --split-scale 1 $p
+  use_new
   grep -E "^==|gl |b[18] " "$out/probe_sum.log"
 elif [ "$2" = pw ]; then
   timeout 560 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \

@@ -79,6 +79,10 @@ def score_layout(ppw: int) -> gl.DistributedLinearLayout:
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, PAGE * ppw])
 
 
+SUM_LAYOUT = gl.constexpr(score_layout(1))
+"""The softmax sums' layout with `TQGluonConfig.sum_pages`: one page's scores (the tile's pages added in-thread)."""
+
+
 def field_layout(ppw: int) -> gl.DistributedLinearLayout:
     """The fp16 fields [warp, page, token] (`score_layout`'s token axis split as [page, row], heads dropped)."""
     return gl.DistributedLinearLayout(
@@ -199,14 +203,13 @@ def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...
 def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, sum_pages: bool = False) -> dict:
     """The kernel's tile constexprs: BN (the kernel derives the pages per warp from it), the score, field and
     load layouts (3-bit values are 8 words per token, one per thread g, at any head_dim: `_load_w`), the value
-    operand's relabelling, and the softmax sums' layout SL: the score layout, or with `sum_pages` (and more
-    than one page per warp) one page's, the pages added in-thread first (`TQGluonConfig.sum_pages`)."""
+    operand's relabelling, and SUM_PAGES: `TQGluonConfig.sum_pages` where there is more than one page per warp
+    (the softmax sums then take `SUM_LAYOUT`, else the score layout)."""
     ppw = pages_per_warp(block_n)
     v_shape, v_order = value_axes(head_dim, value_bits, ppw)
-    fold = sum_pages and ppw > 1
     return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout4(key_bytes, ppw),
                 V_LAYOUT=value_layout(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order,
-                SL=score_layout(1 if fold else ppw), SUM_PAGES=fold)
+                SUM_PAGES=sum_pages and ppw > 1)
 
 
 def dim_of_row(head_dim: int, value_bits: int = 4) -> torch.Tensor:
@@ -379,7 +382,7 @@ def _field(f, BN: gl.constexpr, XL: gl.constexpr):
 def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
           LAZY: gl.constexpr, EDGE: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr,
-          V_ORDER: gl.constexpr, SL: gl.constexpr, SUM_PAGES: gl.constexpr):
+          V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr):
     """One tile, each warp its BN/4 tokens: S_w, online softmax (exact or lazy max), O_w^T += V_w^T P_w^T.
     EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
     path). The tile's bytes come from `_load_w`, issued one tile ahead."""
@@ -412,10 +415,10 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     p = gl.exp2(x - m_use[:, :, None])
     if SUM_PAGES:
         # the tile's pages added in-thread first (register bits of the score layout): sums of one page's shape
-        a1 = gl.convert_layout(alpha, gl.SliceLayout(2, SL))[:, :, None]
-        l_part = l_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p, [4, 8, BN // 64, 16]), 2), SL)
+        a1 = gl.convert_layout(alpha, gl.SliceLayout(2, SUM_LAYOUT))[:, :, None]
+        l_part = l_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p, [4, 8, BN // 64, 16]), 2), SUM_LAYOUT)
         z_part = z_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p * vzero[:, None, :], [4, 8, BN // 64, 16]), 2),
-                                                 SL)
+                                                 SUM_LAYOUT)
     else:
         l_part = l_part * alpha[:, :, None] + p
         z_part = z_part * alpha[:, :, None] + p * vzero[:, None, :]
@@ -447,7 +450,7 @@ def _tq_warp_kernel(
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
     VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
     BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
-    V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SL: gl.constexpr, SUM_PAGES: gl.constexpr,
+    V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
     PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
     IS_SPLIT: gl.constexpr,
 ):
@@ -481,9 +484,12 @@ def _tq_warp_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
 
     m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
-    SUM_N: gl.constexpr = 16 if SUM_PAGES else BN // 4
-    l_part = gl.zeros([4, 8, SUM_N], gl.float32, layout=SL)  # per-thread softmax sums (and of P x zero point)
-    z_part = gl.zeros([4, 8, SUM_N], gl.float32, layout=SL)
+    # per-thread softmax sums (and of P x zero point)
+    if SUM_PAGES:
+        l_part = gl.zeros([4, 8, 16], gl.float32, layout=SUM_LAYOUT)
+    else:
+        l_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
+    z_part = gl.zeros_like(l_part)
     acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
     # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
     # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
@@ -505,11 +511,11 @@ def _tq_warp_kernel(
         if (tile * BN < start) | (tile * BN + BN > seq_len):
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             LAZY, True, BN, XL, V_SHAPE, V_ORDER, SL, SUM_PAGES)
+                                             LAZY, True, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
         else:
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             LAZY, False, BN, XL, V_SHAPE, V_ORDER, SL, SUM_PAGES)
+                                             LAZY, False, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
         kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     # merge the 4 warps: each its own max, sums and O^T

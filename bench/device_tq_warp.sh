@@ -34,9 +34,15 @@
 #            probe's default cases on the kernel before it (.ab/tq_warp_base.py, git-ignored: carry it);
 #   sum:     the probe of TQGluonConfig.sum_pages off and on for each per-warp default (value rows as
 #            immediates in both), and the same defaults on the kernel before both (.ab/tq_warp_base.py);
-#   pw:      the GPU tests of the per-warp kernel (all of `-k per_warp`, about 6 minutes).
+#   pw:      the GPU tests of the per-warp kernel (all of `-k per_warp`, about 7.5 minutes).
+# session 22:
+#   rt:      the other GPU tests of the TurboQuant kernels and the runtime's (`-k "not per_warp"`), then the
+#            evidence run (set KVP_COMMIT and TAG);
+#   addr:    the probe of key and value rows as immediate offsets (3bit_nc with two and four pages on the
+#            gpt-oss layer, every per-warp default on both layers), then the same cases on the kernel before
+#            it (.ab/tq_warp_base.py: main's kernels/tq_warp.py at 3875264, git-ignored: carry it).
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -163,6 +169,22 @@ elif [ "$2" = sum ]; then
 elif [ "$2" = pw ]; then
   timeout 560 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \
     > "$out/pytest_pw.log" 2>&1; tail -3 "$out/pytest_pw.log"
+elif [ "$2" = rt ]; then
+  timeout 300 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
+    -k "not per_warp" -p no:cacheprovider > "$out/pytest_rt.log" 2>&1; tail -3 "$out/pytest_rt.log"
+  evidence_run "${TAG:?set TAG, e.g. tq18}"
+elif [ "$2" = addr ]; then
+  p="--contexts 131072 --batch 1,8 --per-warp 1 --lazy 1 --pages-ahead 2 --maxnreg 0 --split-scale 1"
+  g=gpt-oss-20b l=llama-3.1-8b f4=turboquant_4bit_nc,turboquant_k3v4_nc f3=turboquant_3bit_nc
+  logged_probe probe_addr.log addr_g3 --geometries $g --formats $f3 --block-n 128,256 --sum-pages 1 $p
+  logged_probe probe_addr.log addr_g4 --geometries $g --formats $f4 --block-n 256 --sum-pages 1 $p
+  logged_probe probe_addr.log addr_l --geometries $l --formats $f4,$f3 --block-n 128 --sum-pages 1 $p
+  use_base
+  logged_probe probe_addr.log abase_g3 --geometries $g --formats $f3 --block-n 128 --sum-pages 0 $p
+  logged_probe probe_addr.log abase_g4 --geometries $g --formats $f4 --block-n 256 --sum-pages 1 $p
+  logged_probe probe_addr.log abase_l --geometries $l --formats $f4,$f3 --block-n 128 --sum-pages 1 $p
+  use_new
+  grep -E "^==|gl |b[18] " "$out/probe_addr.log"
 elif [ "$2" = evidence ]; then
   evidence_run "${TAG:?set TAG, e.g. tq14}"
 elif [ "$2" = waves ]; then

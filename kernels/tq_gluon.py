@@ -533,15 +533,17 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       registers: 4 programs per SM, no spills; uncapped 211.1), k3v4_nc 206.1 against 217.3, and 3bit_nc
       225.9 against 243.3 for the warpgroup kernel. Batch 1: Llama 51.5 / 48.2 / 52.3 against 58.5 / 56.1 /
       59.9, gpt-oss within 1 us except k3v4_nc (36.4 against 38.5) and 3bit_nc (38.3 against 40.9).
-    - At head_dim 64, 4bit_nc and k3v4_nc take four pages per warp (256-token tiles; 254 registers, no
-      spills, 2 programs per SM): gpt-oss layer 190.3 us against 206.6 (two pages, capped at 128) and 193.3
-      against 205.9 at batch 8, 35.0 against 38.4 and 34.9 against 36.6 at batch 1
-      (`bench/results_tq_warp_ppw/probe_ppw4_*.json`). 3bit_nc spills with four (104 bytes) and keeps two.
+    - At head_dim 64 every format takes four pages per warp (256-token tiles; 253-255 registers, no
+      spills, 2 programs per SM): gpt-oss layer 4bit_nc 190.3 us against 206.6 (two pages, capped at 128) and
+      k3v4_nc 193.3 against 205.9 at batch 8, 35.0 against 38.4 and 34.9 against 36.6 at batch 1
+      (`bench/results_tq_warp_ppw/probe_ppw4_*.json`). 3bit_nc fits four pages since its loads form one
+      address per page (`tq_warp._load_w`; it spilled 104 bytes before): 218.4 against 235.6 us for two
+      (fourteenth session, `bench/results_tq_warp_addr/`).
     - The tile's pages summed in-thread before the softmax sums (`sum_pages`; thirteenth session,
       `bench/results_tq_warp_fold/probe_sum_*.json`, batch 8, 128k, us, off / on): gpt-oss layer 4bit_nc
       180.8 / 179.3, k3v4_nc 202.0 / 188.4; Llama layer 4bit_nc 300.7 / 297.8, k3v4_nc 278.3 / 280.1, 3bit_nc
-      327.1 / 322.9. 3bit_nc at head_dim 64 keeps it off: 228.5 / 245.9 (ptxas drops to 165 registers and
-      recomputes shifts, 453 -> 492 instructions per tile).
+      327.1 / 322.9. (3bit_nc at head_dim 64 with two pages was the exception then, 228.5 / 245.9; it now
+      takes four pages.)
     - One wave of splits: with 2 programs per SM two waves were slower (Llama 4bit_nc 305.1 against 311.0
       us, gpt-oss 4bit_nc with four pages 190.3 against 193.3). Two pages capped at 128 registers (4 per SM)
       were the one case where two waves won (206.0 against 212.3).
@@ -553,8 +555,6 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     from kvpolicy.kernels import tq_warp
 
     if fmt in tq_warp.FORMATS:
-        if head_dim == 64 and fmt == "turboquant_3bit_nc":
-            return TQGluonConfig(block_n=128, per_warp=True)
         return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)

@@ -16,10 +16,11 @@ pages (`pages_per_warp`: 16-64 tokens) of every 64-, 128- or 256-token tile and 
   shared memory;
 - the warps' (max, sums, O^T) are merged once, at the end.
 Two pages per warp (twelfth session) double each warp's loads in flight and the MMAs per softmax step: 10-16%
-faster at 128k on both layers, though at head_dim 128 they take 205-223 registers (2 programs per SM); four
-pages at head_dim 64 another 6-9% (248-254 registers). Each thread forms one address per page for its value
-rows (`value_layout`), and the pages' softmax sums can be added in-thread first (`TQGluonConfig.sum_pages`):
-together another 7% on the gpt-oss layer's 4bit_nc (thirteenth session).
+faster at 128k on both layers, though at head_dim 128 they take 201-208 registers (2 programs per SM); four
+pages at head_dim 64 another 6-9% (253-255 registers). Each thread forms one address per page for its key and
+value rows (`key_layout`, `value_layout`: the rows' register part is an immediate offset), and the pages'
+softmax sums can be added in-thread first (`TQGluonConfig.sum_pages`): together another 7% on the gpt-oss
+layer's 4bit_nc (thirteenth session), and room for four pages of 3bit_nc (fourteenth).
 The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8). Its rescale is skipped
 when none of the warp's heads moved its max: with the lazy max (`TQGluonConfig.lazy_max`, the reference max
 moves only when a score passes it by `LAZY_MAX_MARGIN`) that is nearly every tile; Gluon has no per-warp
@@ -153,15 +154,16 @@ _RESCALE_CONSTRAINTS_128 = gl.constexpr(",".join(["=f"] * 32 + ["f"] * 64))
 _RESCALE_CONSTRAINTS_64 = gl.constexpr(",".join(["=f"] * 16 + ["f"] * 32))
 
 
-def key_layout4(key_bytes: int, ppw: int) -> gl.DistributedLinearLayout:
-    """Key code words of one plane [warp, page, row, key_bytes / 4] in memory order (`tq_gluon.key_layout` with
-    the token axis split): each thread a contiguous quarter of rows r, r + 8 of each of its warp's pages."""
+def key_layout(key_bytes: int, ppw: int) -> gl.DistributedLinearLayout:
+    """Key code words of one plane [warp, page, r8, r, key_bytes / 4] (row 8 r8 + r of each page; `tq_gluon.key_layout`
+    with the token axis split): each thread a contiguous quarter of rows r, r + 8 of each of its warp's pages.
+    r8 holds only a register bit, so row + 8 is a constant offset (`_load_w`)."""
     cw = key_bytes // 16
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1 << k] for k in range(cw.bit_length() - 1)] + [[0, 0, 8, 0]]
-        + [[0, 1 << k, 0, 0] for k in range(ppw.bit_length() - 1)],
-        lane_bases=[[0, 0, 0, cw], [0, 0, 0, 2 * cw], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
-        warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, ppw, PAGE, key_bytes // 4])
+        reg_bases=[[0, 0, 0, 0, 1 << k] for k in range(cw.bit_length() - 1)] + [[0, 0, 1, 0, 0]]
+        + [[0, 1 << k, 0, 0, 0] for k in range(ppw.bit_length() - 1)],
+        lane_bases=[[0, 0, 0, 0, cw], [0, 0, 0, 0, 2 * cw], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 0, 4, 0]],
+        warp_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], block_bases=[], shape=[4, ppw, 2, 8, key_bytes // 4])
 
 
 def value_layout(head_dim: int, ppw: int) -> gl.DistributedLinearLayout:
@@ -207,7 +209,7 @@ def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, s
     (the softmax sums then take `SUM_LAYOUT`, else the score layout)."""
     ppw = pages_per_warp(block_n)
     v_shape, v_order = value_axes(head_dim, value_bits, ppw)
-    return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout4(key_bytes, ppw),
+    return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout(key_bytes, ppw),
                 V_LAYOUT=value_layout(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order,
                 SUM_PAGES=sum_pages and ppw > 1)
 
@@ -237,7 +239,7 @@ def value_unit(head_dim: int, value_bits: int = 4) -> torch.Tensor:
 @gluon.jit
 def _keys_operand(kc, ks, table, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: gl.constexpr,
                   KEY_BITS: gl.constexpr):
-    """Key code words [BN, KBM/4] (`key_layout4` flattened; 3-bit keys: the 2-bit plane's words, and in `ks` the
+    """Key code words [BN, KBM/4] (`key_layout` flattened; 3-bit keys: the 2-bit plane's words, and in `ks` the
     matching 1-bit words) -> the int8 B operand K_w^T [4, D, BN/4]: output g of word m of thread c at
     K = 16 (m G + g) + 4 c + i (`turboquant.int8_operand_order`, G = 2 or 4 outputs per code byte)."""
     W: gl.constexpr = KBM // 4
@@ -322,34 +324,39 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
             VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr,
             FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
-    """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (`key_layout4`
+    """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (`key_layout`
     flattened; 3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words
     (4-bit: [BN, D/8], `value_layout`; 3-bit: [BN, 8], a word of the 2-bit plane and one of the 1-bit plane per
     thread and token, else 0), the fp16 fields [4, BN/4] in the score columns' layout."""
     base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
-    # keys: rows r, r + 8 of each of the warp's pages, a quarter row per thread
-    kl: gl.constexpr = gl.SliceLayout(3, K_LAYOUT)
-    kb = gl.convert_layout(base, gl.SliceLayout(2, kl))[:, :, None, None]
-    kr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, kl)))[None, None, :, None]
-    kw = gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LAYOUT))))
-    kw = kw[None, None, None, :]
-    kc = gl.reshape(gl.load(cache32_ptr + kb + kr * (KBM // 4) + kw), [BN, KBM // 4])
+    # keys: rows r, r + 8 of each of the warp's pages, a quarter row per thread. Each address adds the lane's
+    # part (row r, word) first and the register's constant (row + 8) last: with the row as one index LLVM
+    # turns 8 r8 + r into an `or` and ptxas forms one 64-bit address per row instead of an immediate offset.
+    kb = gl.convert_layout(base, sliced(K_LAYOUT, (0, 1), 5))[:, :, None, None, None]
+    k8 = gl.arange(0, 2, layout=sliced(K_LAYOUT, (2,), 5))[None, None, :, None, None]
+    kr = gl.arange(0, 8, layout=sliced(K_LAYOUT, (3,), 5))[None, None, None, :, None]
+    kw = gl.arange(0, KBM // 4, layout=sliced(K_LAYOUT, (4,), 5))[None, None, None, None, :]
+    kc = gl.reshape(gl.load(cache32_ptr + kb + (kr * (KBM // 4) + kw) + k8 * (8 * (KBM // 4))), [BN, KBM // 4])
     ks = 0
     if KEY_BITS == 3:
         # word c of the 2-bit row goes with 1-bit word c mod W, shifted by c // W (W = D/32 words per row)
         W1: gl.constexpr = HEAD_DIM // 32
-        ks = gl.load(cache32_ptr + kb + 4 * KBM + kr * W1 + kw % W1) >> (kw // W1)
+        ks = gl.load(cache32_ptr + kb + 4 * KBM + (kr * W1 + kw % W1) + k8 * (8 * W1)) >> (kw // W1)
         ks = gl.reshape(ks, [BN, KBM // 4])
     # values: rows 2c, 2c + 1, 8 + 2c, 9 + 2c of each of the warp's pages, thread g's D/16 bytes
     vb = gl.convert_layout(base, sliced(V_LAYOUT, (0, 1), 6))[:, :, None, None, None, None]
     r8 = gl.arange(0, 2, layout=sliced(V_LAYOUT, (2,), 6))[None, None, :, None, None, None]
     r2 = gl.arange(0, 4, layout=sliced(V_LAYOUT, (3,), 6))[None, None, None, :, None, None]
     r1 = gl.arange(0, 2, layout=sliced(V_LAYOUT, (4,), 6))[None, None, None, None, :, None]
-    rows = r8 * 8 + r2 * 2 + r1
+    # row = 2 c + (8 r8 + r1): the lane's part goes into the address first and the register's constant last (as
+    # the keys'), so that each row is an immediate offset of one address per page
+    lane_rows = r2 * 2
+    reg_rows = r8 * 8 + r1
     vw = gl.arange(0, V_LAYOUT.shape[5], layout=sliced(V_LAYOUT, (5,), 6))[None, None, None, None, None, :]
     vh = 0
     if V_BITS == 4:
-        vc = gl.reshape(gl.load(cache32_ptr + vb + 4 * KB + rows * (VBM // 4) + vw), [BN, VBM // 4])
+        vc = gl.load(cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + vw) + reg_rows * (VBM // 4))
+        vc = gl.reshape(vc, [BN, VBM // 4])
     else:
         # thread g: the D/32 bytes of the 2-bit plane from byte j = g D/32 (word j / 4, from its byte j % 4),
         # and the 1-bit word of the same codes shifted into place (`tq_gluon._plane_words`), both moved down
@@ -357,8 +364,9 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
         WV: gl.constexpr = HEAD_DIM // 32
         j = vw * (HEAD_DIM // 32)
         c = j // 4
-        vc = gl.load(cache32_ptr + vb + 4 * KB + rows * (VBM // 4) + c) >> (8 * (j % 4))
-        vh = gl.load(cache32_ptr + vb + 4 * (KB + VBM) + rows * WV + c % WV) >> (c // WV + 8 * (j % 4))
+        vc = gl.load(cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + c) + reg_rows * (VBM // 4)) >> (8 * (j % 4))
+        vh = gl.load(cache32_ptr + vb + 4 * (KB + VBM) + (lane_rows * WV + c % WV) + reg_rows * WV)
+        vh = vh >> (c // WV + 8 * (j % 4))
         vc = gl.reshape(vc, [BN, 8])
         vh = gl.reshape(vh, [BN, 8])
 
@@ -552,13 +560,14 @@ def _tq_warp_kernel(
 
 FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 """Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values."""
-REGISTERS = {"turboquant_4bit_nc": {(64, 64): 95, (64, 128): 149, (64, 256): 254, (128, 64): 147, (128, 128): 205},
-             "turboquant_k3v4_nc": {(64, 64): 110, (64, 128): 161, (64, 256): 248, (128, 64): 150, (128, 128): 208},
-             "turboquant_3bit_nc": {(64, 64): 127, (64, 128): 198, (128, 64): 157, (128, 128): 223}}
+REGISTERS = {"turboquant_4bit_nc": {(64, 64): 94, (64, 128): 150, (64, 256): 255, (128, 64): 145, (128, 128): 201},
+             "turboquant_k3v4_nc": {(64, 64): 95, (64, 128): 153, (64, 256): 254, (128, 64): 145, (128, 128): 204},
+             "turboquant_3bit_nc": {(64, 64): 115, (64, 128): 158, (64, 256): 253, (128, 64): 147,
+                                    (128, 128): 208}}
 """Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
-two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` as `tq_gluon.default_config` sets it: on, except for
-3bit_nc at head_dim 64; `bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n BN --per-warp
-[--sum-pages]`); `TQGluonConfig.maxnreg` overrides."""
+two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on as `tq_gluon.default_config` sets it;
+`bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n BN --per-warp --sum-pages`); `TQGluonConfig.maxnreg`
+overrides."""
 
 
 def smem_bytes(head_dim: int) -> int:

@@ -137,13 +137,13 @@ def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, si
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("sum_pages", [False, True])
 def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, splits, sum_pages: bool, device: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four pages per warp (256-token tiles) at head_dim 64, where the 4-bit-value formats compile without
-    spills (248-254 registers), with the pages' softmax sums apart or added in-thread."""
+    """Four pages per warp (256-token tiles) at head_dim 64, the default there, with the pages' softmax sums
+    apart or added in-thread (3bit_nc without them spills: `tq_warp.REGISTERS`; it must still be right)."""
     from kvpolicy.kernels import tq_gluon
 
     cfg = tq_gluon.TQGluonConfig(block_n=256, per_warp=True, sum_pages=sum_pages)

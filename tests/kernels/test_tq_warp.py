@@ -10,9 +10,12 @@ import torch
 from kvpolicy.kernels.tq_reference import _pack_codes, emulate_ptx
 from kvpolicy.kernels.tq_warp import (
     dim_of_row,
+    key_layout,
+    pages_per_warp,
     v3_pair_program,
     v_pair_program,
     value_axes,
+    value_layout,
     value_unit,
 )
 
@@ -126,3 +129,75 @@ def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int) 
     want = codes.reshape(4, 16 * ppw, d)[:, :, rows].permute(0, 2, 1)
     scale = (value_unit(d, 3) * 2.0**24).round().to(torch.int64)  # 4^s per row
     assert torch.equal(y, want * scale[None, :, None])
+
+
+def _owners(layout) -> torch.Tensor:
+    """Each element's (warp, lane, register) of a distributed linear layout -> [warps, lanes, regs, rank]
+    coordinates: the XOR of the bases of the index's set bits."""
+    out = []
+    for w in range(1 << len(layout.warp_bases)):
+        for ln in range(1 << len(layout.lane_bases)):
+            for r in range(1 << len(layout.reg_bases)):
+                c = [0] * len(layout.shape)
+                for idx, bases in ((w, layout.warp_bases), (ln, layout.lane_bases), (r, layout.reg_bases)):
+                    for bit, base in enumerate(bases):
+                        if idx >> bit & 1:
+                            c = [a ^ b for a, b in zip(c, base)]
+                out.append(c)
+    return torch.tensor(out).reshape(1 << len(layout.warp_bases), 32, 1 << len(layout.reg_bases), -1)
+
+
+def _flat(coords: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """Row-major index of coordinates [..., rank] in `shape` (what `gl.reshape` to [BN, words] reads)."""
+    idx = torch.zeros(coords.shape[:-1], dtype=torch.int64)
+    for axis, size in enumerate(shape):
+        idx = idx * size + coords[..., axis]
+    return idx
+
+
+def _tile_coords(layout, words: int) -> tuple[torch.Tensor, ...]:
+    """(warp, lane, register, token, word) of every element after the kernel's reshape to [BN, words]."""
+    own = _owners(layout)
+    flat = _flat(own, layout.shape)
+    w, ln, r = torch.meshgrid(*(torch.arange(n) for n in own.shape[:3]), indexing="ij")
+    return w, ln, r, flat // words, flat % words
+
+
+@pytest.mark.parametrize("key_bytes", [16, 32, 64])
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+def test_key_loads_keep_the_tile_order(key_bytes: int, block_n: int) -> None:
+    """`key_layout` [w, pg, r8, r, word], reshaped to [BN, words] as `_load_w` does, keeps the tile's token
+    order and the ownership `_keys_operand` relabels for free: thread 4 r + q of warp w holds the contiguous
+    quarter q of rows r and r + 8 (the mma.sync B operand's column r) of each of its pages, the quarter's words
+    innermost in its registers, then row + 8, then the page. A swapped axis or base still computes the right
+    answer but adds shuffles that only the GPU bench would see."""
+    ppw = pages_per_warp(block_n)
+    words = key_bytes // 4
+    cw = words // 4
+    w, lane, reg, token, col = _tile_coords(key_layout(key_bytes, ppw), words)
+    assert torch.equal(token // (16 * ppw), w)
+    assert torch.equal(token % 8, lane // 4)
+    assert torch.equal(col // cw, lane % 4)
+    assert torch.equal(col % cw, reg % cw)
+    assert torch.equal((token % 16) // 8, (reg // cw) % 2)
+    assert torch.equal((token % (16 * ppw)) // 16, reg // (2 * cw))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+def test_value_loads_keep_the_tile_order(d: int, block_n: int) -> None:
+    """`value_layout` [w, pg, r8, c, r1, word], reshaped to [BN, words] as `_load_w` does, keeps the tile's
+    token order (`_values_operand` pairs tokens 2k, 2k + 1; `value_axes` relabels) and gives thread 4 g + c of
+    warp w words [E g, E g + E) of rows 2c, 2c + 1, 8 + 2c, 9 + 2c of each page (E = D/64), the columns of its
+    P^T B operand: registers word, then r1, then r8 (so that each row is an immediate offset), then the page."""
+    ppw = pages_per_warp(block_n)
+    e = d // 64
+    w, lane, reg, token, col = _tile_coords(value_layout(d, ppw), d // 8)
+    row = token % 16
+    assert torch.equal(token // (16 * ppw), w)
+    assert torch.equal((row % 8) // 2, lane % 4)
+    assert torch.equal(col // e, lane // 4)
+    assert torch.equal(col % e, reg % e)
+    assert torch.equal(row % 2, (reg // e) % 2)
+    assert torch.equal(row // 8, (reg // (2 * e)) % 2)
+    assert torch.equal((token % (16 * ppw)) // 16, reg // (4 * e))

@@ -537,8 +537,8 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       spills, 2 programs per SM): gpt-oss layer 4bit_nc 190.3 us against 206.6 (two pages, capped at 128) and
       k3v4_nc 193.3 against 205.9 at batch 8, 35.0 against 38.4 and 34.9 against 36.6 at batch 1
       (`bench/results_tq_warp_ppw/probe_ppw4_*.json`). 3bit_nc fits four pages since its loads form one
-      address per page (`tq_warp._load_w`; it spilled 104 bytes before): 218.4 against 235.6 us for two
-      (fourteenth session, `bench/results_tq_warp_addr/`).
+      address per page (`tq_warp._load_w`; it spilled 104 bytes before): 216.2 us against 222.9 for two
+      pages at batch 8, 38.5 against 38.1 at batch 1 (fourteenth session, `bench/results_tq_warp_addr/`).
     - The tile's pages summed in-thread before the softmax sums (`sum_pages`; thirteenth session,
       `bench/results_tq_warp_fold/probe_sum_*.json`, batch 8, 128k, us, off / on): gpt-oss layer 4bit_nc
       180.8 / 179.3, k3v4_nc 202.0 / 188.4; Llama layer 4bit_nc 300.7 / 297.8, k3v4_nc 278.3 / 280.1, 3bit_nc

@@ -40,9 +40,12 @@
 #            evidence run (set KVP_COMMIT and TAG);
 #   addr:    the probe of key and value rows as immediate offsets (3bit_nc with two and four pages on the
 #            gpt-oss layer, every per-warp default on both layers), then the same cases on the kernel before
-#            it (.ab/tq_warp_base.py: main's kernels/tq_warp.py at 3875264, git-ignored: carry it).
+#            it (.ab/tq_warp_base.py: main's kernels/tq_warp.py at 3875264, git-ignored: carry it);
+#   v3sel:   GPU tests of the per-warp kernel with 3bit_nc, the probe of its value program with one select per
+#            two outputs against the kernel before it (.ab/tq_warp_base.py: ccfc049's kernels/tq_warp.py),
+#            then the evidence run (set KVP_COMMIT and TAG).
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -185,6 +188,18 @@ elif [ "$2" = addr ]; then
   logged_probe probe_addr.log abase_l --geometries $l --formats $f4,$f3 --block-n 128 --sum-pages 1 $p
   use_new
   grep -E "^==|gl |b[18] " "$out/probe_addr.log"
+elif [ "$2" = v3sel ]; then
+  timeout 220 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp and 3bit" -p no:cacheprovider \
+    > "$out/pytest_v3sel.log" 2>&1; tail -3 "$out/pytest_v3sel.log"
+  p="--formats turboquant_3bit_nc --contexts 131072 --batch 1,8 --per-warp 1 --lazy 1 --pages-ahead 2 --maxnreg 0 --split-scale 1 --sum-pages 1"
+  logged_probe probe_v3sel.log v3sel_g --geometries gpt-oss-20b --block-n 256 $p
+  logged_probe probe_v3sel.log v3sel_l --geometries llama-3.1-8b --block-n 128 $p
+  use_base
+  logged_probe probe_v3sel.log v3base_g --geometries gpt-oss-20b --block-n 256 $p
+  logged_probe probe_v3sel.log v3base_l --geometries llama-3.1-8b --block-n 128 $p
+  use_new
+  grep -E "^==|gl |b[18] " "$out/probe_v3sel.log"
+  evidence_run "${TAG:?set TAG, e.g. tq19}"
 elif [ "$2" = evidence ]; then
   evidence_run "${TAG:?set TAG, e.g. tq14}"
 elif [ "$2" = waves ]; then

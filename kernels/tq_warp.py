@@ -113,19 +113,23 @@ def v3_pair_program(pairs: int) -> list:
     bits 2s and 2s + 1: the low bits of quarter s), $(8 pairs + 2) / + 3 = their 1-bit words shifted so that
     bit 2s of byte i is the high bit of the same code (`_load_w`) -> 8 words per byte pair (`pairs` = 2: bytes
     0-3; 1: bytes 0, 1) of fp16 subnormal pairs (token a low half, token b high half), 4^s x code x 2^-24:
-    output (q 2 + tt) 4 + s is quarter s of byte 2 q + tt. Per byte pair two PRMT and three shifts; then
-    per output one select (low bits from the 2-bit word, the high bit from the 1-bit word moved up by 2)
-    and one mask, as `turboquant.v3_subnormal_program`."""
+    output (q 2 + tt) 4 + s is quarter s of byte 2 q + tt. Per byte pair two PRMT and three shifts, which put
+    each quarter's high bit at 2s + 2, just above its low bits; then per byte two selects, each the low bits of
+    two quarters that do not touch (0 and 2, or 1 and 3) with the high bits around them, and one mask per
+    output (three ops per two outputs: one select per output, as `turboquant.v3_subnormal_program`, took four)."""
     a2, b2, a1, b1 = (f"${8 * pairs + i}" for i in range(4))
+    low02 = 0x33333333  # bits 2s, 2s + 1 of quarters 0 and 2 of every byte
     prog = []
     for q, sel in [(0, 0x5410), (1, 0x7632)][:pairs]:
         prog += [("prmt", "p", a2, b2, sel), ("prmt", "h", a1, b1, sel), ("shr", "p1", "p", 8),
                  ("shl", "h0", "h", 2),  # byte 2q's high bits from 2s to 2s + 2
                  ("shr", "h1", "h", 6)]  # byte 2q + 1's: bit 8 + 2s to 2s + 2 (a left shift would lose bit 30)
         for tt, (lo, hi) in ((0, ("p", "h0")), (1, ("p1", "h1"))):
+            prog += [("lop3", "y02", lo, hi, low02, SELECT),  # quarters 0, 2: bits 0-2 and 4-6
+                     ("lop3", "y13", hi, lo, low02, SELECT)]  # quarters 1, 3: bits 2-4 and 6-8
             for s_ in range(4):
-                prog += [("lop3", "t", lo, hi, (0x3 << (2 * s_)) * 0x00010001, SELECT),
-                         ("and", f"${(q * 2 + tt) * 4 + s_}", "t", (0x7 << (2 * s_)) * 0x00010001)]
+                prog.append(("and", f"${(q * 2 + tt) * 4 + s_}", "y13" if s_ % 2 else "y02",
+                             (0x7 << (2 * s_)) * 0x00010001))
     return prog
 
 

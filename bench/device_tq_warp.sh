@@ -177,15 +177,15 @@ elif [ "$2" = rt ]; then
     -k "not per_warp" -p no:cacheprovider > "$out/pytest_rt.log" 2>&1; tail -3 "$out/pytest_rt.log"
   evidence_run "${TAG:?set TAG, e.g. tq18}"
 elif [ "$2" = addr ]; then
-  p="--contexts 131072 --batch 1,8 --per-warp 1 --lazy 1 --pages-ahead 2 --maxnreg 0 --split-scale 1"
+  p="--contexts 131072 --batch 1,8 --per-warp 1 --lazy 1 --pages-ahead 2 --maxnreg 0"
   g=gpt-oss-20b l=llama-3.1-8b f4=turboquant_4bit_nc,turboquant_k3v4_nc f3=turboquant_3bit_nc
-  logged_probe probe_addr.log addr_g3 --geometries $g --formats $f3 --block-n 128,256 --sum-pages 1 $p
-  logged_probe probe_addr.log addr_g4 --geometries $g --formats $f4 --block-n 256 --sum-pages 1 $p --split-scale 1,1.5
-  logged_probe probe_addr.log addr_l --geometries $l --formats $f4,$f3 --block-n 128 --sum-pages 1 $p
+  logged_probe probe_addr.log addr_g3 --geometries $g --formats $f3 --block-n 128,256 --sum-pages 1 --split-scale 1 $p
+  logged_probe probe_addr.log addr_g4 --geometries $g --formats $f4 --block-n 256 --sum-pages 1 --split-scale 1,1.5 $p
+  logged_probe probe_addr.log addr_l --geometries $l --formats $f4,$f3 --block-n 128 --sum-pages 1 --split-scale 1 $p
   use_base
-  logged_probe probe_addr.log abase_g3 --geometries $g --formats $f3 --block-n 128 --sum-pages 0 $p
-  logged_probe probe_addr.log abase_g4 --geometries $g --formats $f4 --block-n 256 --sum-pages 1 $p
-  logged_probe probe_addr.log abase_l --geometries $l --formats $f4,$f3 --block-n 128 --sum-pages 1 $p
+  logged_probe probe_addr.log abase_g3 --geometries $g --formats $f3 --block-n 128 --sum-pages 0 --split-scale 1 $p
+  logged_probe probe_addr.log abase_g4 --geometries $g --formats $f4 --block-n 256 --sum-pages 1 --split-scale 1 $p
+  logged_probe probe_addr.log abase_l --geometries $l --formats $f4,$f3 --block-n 128 --sum-pages 1 --split-scale 1 $p
   use_new
   grep -E "^==|gl |b[18] " "$out/probe_addr.log"
 elif [ "$2" = v3sel ]; then

@@ -133,18 +133,13 @@ def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int) 
 
 def _owners(layout) -> torch.Tensor:
     """Each element's (warp, lane, register) of a distributed linear layout -> [warps, lanes, regs, rank]
-    coordinates: the XOR of the bases of the index's set bits."""
-    out = []
-    for w in range(1 << len(layout.warp_bases)):
-        for ln in range(1 << len(layout.lane_bases)):
-            for r in range(1 << len(layout.reg_bases)):
-                c = [0] * len(layout.shape)
-                for idx, bases in ((w, layout.warp_bases), (ln, layout.lane_bases), (r, layout.reg_bases)):
-                    for bit, base in enumerate(bases):
-                        if idx >> bit & 1:
-                            c = [a ^ b for a, b in zip(c, base)]
-                out.append(c)
-    return torch.tensor(out).reshape(1 << len(layout.warp_bases), 32, 1 << len(layout.reg_bases), -1)
+    coordinates: the XOR of the bases of the index's set bits (registers the low bits, then lanes, warps)."""
+    bases = layout.reg_bases + layout.lane_bases + layout.warp_bases
+    idx = torch.arange(1 << len(bases))[:, None]
+    coords = torch.zeros(len(idx), len(layout.shape), dtype=torch.int64)
+    for bit, base in enumerate(bases):
+        coords ^= (idx >> bit & 1) * torch.tensor(base)
+    return coords.reshape(1 << len(layout.warp_bases), 1 << len(layout.lane_bases), 1 << len(layout.reg_bases), -1)
 
 
 def _flat(coords: torch.Tensor, shape: list[int]) -> torch.Tensor:

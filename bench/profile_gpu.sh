@@ -10,7 +10,7 @@ for fmt in "${formats[@]}"; do
   f=$fmt${PROFILE_TAG:-}
   ncu --clock-control none -k "regex:_decode_attention_kernel|_tq_decode_kernel|_tq_gluon_kernel|_decode_gluon_kernel|_tq_warp_kernel" --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters ${NCU_SECTIONS:-} \
       --export "$out/ncu_$f" --force-overwrite python3 bench/profile_decode.py --format "$fmt" ${PROFILE_ARGS:-} > "/tmp/ncu_$f.log" 2>&1
   ncu --import "$out/ncu_$f.ncu-rep" --page details > "$out/ncu_$f.txt" 2>&1
   ncu --import "$out/ncu_$f.ncu-rep" --page source --print-source sass --csv > "$out/ncu_${f}_sass.csv" 2>&1

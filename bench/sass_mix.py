@@ -83,7 +83,8 @@ def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages
 
 
 def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bool = True,
-                     maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2, sum_pages: bool = False):
+                     maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2, sum_pages: bool = False,
+                     smem_ring: bool = False):
     """The Gluon TurboQuant kernel (kernels/tq_gluon.py; per_warp: kernels/tq_warp.py, 1, 2 or 4 pages per warp
     for block_n 64, 128 or 256) for `fmt`, 8 KV heads, planar pages, split, no sinks."""
     from kvpolicy.kernels import tq_gluon as tg
@@ -99,6 +100,7 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
         fn = tw._tq_warp_kernel
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
         constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n, sum_pages))
+        constexprs["SMEM_RING"] = smem_ring
     pointers = {"q_ptr": "*fp16", "order_ptr": "*i32", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
@@ -110,6 +112,19 @@ def sass(kernel) -> str:
         f.write(kernel.asm["cubin"])
     try:
         return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def live_counts(kernel) -> str:
+    """nvdisasm's listing with the number of live registers at each instruction (`--life-range-mode count`)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        r = subprocess.run([os.path.join(BIN, "nvdisasm"), "-lrm", "count", f.name], capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"nvdisasm failed: {r.stderr.strip()}")
+        return r.stdout
     finally:
         os.unlink(f.name)
 
@@ -205,20 +220,25 @@ def main() -> None:
     ap.add_argument("--exact-max", action="store_true", help="Gluon TurboQuant: TQGluonConfig.lazy_max off")
     ap.add_argument("--per-warp", action="store_true", help="Gluon TurboQuant: the per-warp kernel (tq_warp.py)")
     ap.add_argument("--sum-pages", action="store_true", help="per-warp kernel: TQGluonConfig.sum_pages")
+    ap.add_argument("--smem-ring", action="store_true", help="per-warp kernel: TQGluonConfig.smem_ring")
     ap.add_argument("--pages-ahead", type=int, default=2, help="Gluon TurboQuant: TQGluonConfig.pages_ahead")
     ap.add_argument("--prefetch", action="store_true", help="TurboQuant: register prefetch of the next tile")
     ap.add_argument("--slot", type=int, help="TurboQuant: slot stride in bytes (padding experiments)")
     ap.add_argument("--dump", help="write the full SASS here")
+    ap.add_argument("--live", help="write nvdisasm's live-register count per instruction here (where the registers go)")
     a = ap.parse_args()
     if a.tq_gluon:
         k = compile_tq_gluon(a.tq_gluon, a.head_dim, a.block_n, a.group, not a.exact_max, a.maxnreg, a.per_warp, a.pages_ahead,
-                             a.sum_pages)
+                             a.sum_pages, a.smem_ring)
     elif a.tq:
         k = compile_tq(a.tq, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, a.prefetch, a.maxnreg, a.slot)
     else:
         k = compile_decode(a.fp8, a.fp8_query, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, not a.one_level, a.maxnreg,
                            a.defer_sum, a.swap)
     text = sass(k)
+    if a.live:
+        with open(a.live, "w") as f:
+            f.write(live_counts(k))
     if a.dump:
         with open(a.dump, "w") as f:
             f.write(text)

@@ -520,10 +520,6 @@ class TQGluonConfig:
     """Per-warp kernel with two or four pages per warp: add the tile's pages up in each thread before the
     softmax sums take them, so that those sums keep one page's shape (fewer registers and rescales; ptxas
     then schedules some formats better, others worse: `default_config`)."""
-    smem_ring: bool = False
-    """Per-warp kernel: the next tile's bytes go to shared memory by cp.async instead of into registers
-    (`tq_warp._copy_w`), so no registers are held while they are in flight, at the price of a barrier per
-    tile (the compiler's, for the shared buffers)."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
@@ -589,9 +585,8 @@ def programs_per_sm(fmt: str, head_dim: int, device: torch.device, cfg: TQGluonC
     if cfg.per_warp:
         from kvpolicy.kernels import tq_warp
 
-        table = tq_warp.RING_REGISTERS if cfg.smem_ring else tq_warp.REGISTERS
-        regs = cfg.maxnreg or table.get(fmt, {}).get((head_dim, cfg.block_n), 255)
-        return resident_programs(regs, tq_warp.smem_bytes(head_dim, fmt, cfg.block_n, cfg.smem_ring), 4, device)
+        regs = cfg.maxnreg or tq_warp.REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n), 255)
+        return resident_programs(regs, tq_warp.smem_bytes(head_dim), 4, device)
     regs = cfg.maxnreg or REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n), 255)
     return resident_programs(regs, smem_bytes(head_dim, cfg), 4, device)
 

@@ -48,10 +48,10 @@ from kvpolicy.kernels.tq_gluon import (
     _word_bytes,
     kernel_constexprs,
 )
-from kvpolicy.kernels.turboquant import SELECT, SUBNORMAL_UNIT, render_ptx, tq_layout
+from kvpolicy.kernels.turboquant import SELECT, SUBNORMAL_UNIT, render_ptx
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
 QA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
@@ -206,16 +206,6 @@ def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...
     return (4, ppw, 2, 4, 8, 2, 2, 2, 2), (0, 7, 6, 8, 4, 1, 2, 3, 5)
 
 
-def private_shared(layout: gl.DistributedLinearLayout, vector: int = 2) -> gl.SharedLinearLayout:
-    """A shared layout for `layout`'s tensors (the buffers add a leading stage axis) in which each thread's
-    elements are its own: offset bits = `vector` register bits (one LDS of 2^vector elements), the lanes
-    (consecutive vectors for consecutive lanes: no bank conflicts), the other register bits, the warps. Lanes
-    that hold the same elements (zero bases) share them."""
-    bases = (layout.reg_bases[:vector] + [b for b in layout.lane_bases if any(b)] + layout.reg_bases[vector:]
-             + layout.warp_bases)
-    return gl.SharedLinearLayout(offset_bases=[list(b) for b in bases])
-
-
 def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, sum_pages: bool = False) -> dict:
     """The kernel's tile constexprs: BN (the kernel derives the pages per warp from it), the score, field and
     load layouts (3-bit values are 8 words per token, one per thread g, at any head_dim: `_load_w`), the value
@@ -223,11 +213,9 @@ def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, s
     (the softmax sums then take `SUM_LAYOUT`, else the score layout)."""
     ppw = pages_per_warp(block_n)
     v_shape, v_order = value_axes(head_dim, value_bits, ppw)
-    k_layout, v_layout, f_layout = key_layout(key_bytes, ppw), value_layout(head_dim if value_bits == 4 else 64, ppw), \
-        field_layout(ppw)
-    return dict(BN=block_n, XL=score_layout(ppw), FL=f_layout, K_LAYOUT=k_layout, V_LAYOUT=v_layout, V_SHAPE=v_shape,
-                V_ORDER=v_order, SUM_PAGES=sum_pages and ppw > 1, K_SMEM=private_shared(k_layout),
-                V_SMEM=private_shared(v_layout), F_SMEM=private_shared(f_layout))
+    return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout(key_bytes, ppw),
+                V_LAYOUT=value_layout(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order,
+                SUM_PAGES=sum_pages and ppw > 1)
 
 
 def dim_of_row(head_dim: int, value_bits: int = 4) -> torch.Tensor:
@@ -336,14 +324,14 @@ def _pages_w(bt_row, tile, seq_len, PPW: gl.constexpr, FL: gl.constexpr):
 
 
 @gluon.jit
-def _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
+def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
-            VB: gl.constexpr, NF: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
-    """The addresses of a tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [4, PPW, 2, 8,
-    KBM/4] (`key_layout`; 3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else the key
-    words again), value code words [4, PPW, 2, 4, 2, W] (`value_layout`; 4-bit: D/8 words; 3-bit: a word of
-    the 2-bit plane and one of the 1-bit plane per thread and token, else the value words again) and the
-    three fp16 fields [4, PPW, 16] (`field_layout`). `_words_w` turns the loaded words into the tile."""
+            VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr,
+            FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
+    """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (`key_layout`
+    flattened; 3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words
+    (4-bit: [BN, D/8], `value_layout`; 3-bit: [BN, 8], a word of the 2-bit plane and one of the 1-bit plane per
+    thread and token, else 0), the fp16 fields [4, BN/4] in the score columns' layout."""
     base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
     # keys: rows r, r + 8 of each of the warp's pages, a quarter row per thread. Each address adds the lane's
     # part (row r, word) first and the register's constant (row + 8) last: with the row as one index LLVM
@@ -352,12 +340,13 @@ def _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     k8 = gl.arange(0, 2, layout=sliced(K_LAYOUT, (2,), 5))[None, None, :, None, None]
     kr = gl.arange(0, 8, layout=sliced(K_LAYOUT, (3,), 5))[None, None, None, :, None]
     kw = gl.arange(0, KBM // 4, layout=sliced(K_LAYOUT, (4,), 5))[None, None, None, None, :]
-    kp = cache32_ptr + kb + (kr * (KBM // 4) + kw) + k8 * (8 * (KBM // 4))
-    sp = kp
+    kc = gl.reshape(gl.load(cache32_ptr + kb + (kr * (KBM // 4) + kw) + k8 * (8 * (KBM // 4))), [BN, KBM // 4])
+    ks = 0
     if KEY_BITS == 3:
-        # word c of the 2-bit row goes with 1-bit word c mod W (W = D/32 words per row; `_words_w` shifts it)
+        # word c of the 2-bit row goes with 1-bit word c mod W, shifted by c // W (W = D/32 words per row)
         W1: gl.constexpr = HEAD_DIM // 32
-        sp = cache32_ptr + kb + 4 * KBM + (kr * W1 + kw % W1) + k8 * (8 * W1)
+        ks = gl.load(cache32_ptr + kb + 4 * KBM + (kr * W1 + kw % W1) + k8 * (8 * W1)) >> (kw // W1)
+        ks = gl.reshape(ks, [BN, KBM // 4])
     # values: rows 2c, 2c + 1, 8 + 2c, 9 + 2c of each of the warp's pages, thread g's D/16 bytes
     vb = gl.convert_layout(base, sliced(V_LAYOUT, (0, 1), 6))[:, :, None, None, None, None]
     r8 = gl.arange(0, 2, layout=sliced(V_LAYOUT, (2,), 6))[None, None, :, None, None, None]
@@ -368,109 +357,36 @@ def _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     lane_rows = r2 * 2
     reg_rows = r8 * 8 + r1
     vw = gl.arange(0, V_LAYOUT.shape[5], layout=sliced(V_LAYOUT, (5,), 6))[None, None, None, None, None, :]
+    vh = 0
     if V_BITS == 4:
-        vp = cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + vw) + reg_rows * (VBM // 4)
-        hp = vp
+        vc = gl.load(cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + vw) + reg_rows * (VBM // 4))
+        vc = gl.reshape(vc, [BN, VBM // 4])
     else:
         # thread g: the D/32 bytes of the 2-bit plane from byte j = g D/32 (word j / 4, from its byte j % 4),
-        # and the 1-bit word of the same codes (`tq_gluon._plane_words`); `_words_w` moves both into place
+        # and the 1-bit word of the same codes shifted into place (`tq_gluon._plane_words`), both moved down
+        # by j % 4 bytes (D 64: threads 2k and 2k + 1 share a word). Signed shifts: the bits above are unused.
         WV: gl.constexpr = HEAD_DIM // 32
-        c = (vw * (HEAD_DIM // 32)) // 4
-        vp = cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + c) + reg_rows * (VBM // 4)
-        hp = cache32_ptr + vb + 4 * (KB + VBM) + (lane_rows * WV + c % WV) + reg_rows * WV
+        j = vw * (HEAD_DIM // 32)
+        c = j // 4
+        vc = gl.load(cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + c) + reg_rows * (VBM // 4)) >> (8 * (j % 4))
+        vh = gl.load(cache32_ptr + vb + 4 * (KB + VBM) + (lane_rows * WV + c % WV) + reg_rows * WV)
+        vh = vh >> (c // WV + 8 * (j % 4))
+        vc = gl.reshape(vc, [BN, 8])
+        vh = gl.reshape(vh, [BN, 8])
+
     # fields of the tokens in the score's columns (planes of 16 halves per page)
     tk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, FL)))
     f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, :, None] + tk[None, None, :]
-    return kp, sp, vp, hp, f
+    knorm = _field(f, BN, XL)
+    vscale = _field(f + 16 * (NF - 2), BN, XL)
+    vzero = _field(f + 16 * (NF - 1), BN, XL)
+    return kc, ks, vc, vh, knorm, vscale, vzero
 
 
 @gluon.jit
-def _words_w(kc, ks, vc, vh, knorm, vscale, vzero, HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr,
-             V_BITS: gl.constexpr, KBM: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, K_LAYOUT: gl.constexpr,
-             V_LAYOUT: gl.constexpr):
-    """The loaded words of `_ptrs_w`'s addresses -> a tile: key code words [BN, KBM/4] (`key_layout` flattened;
-    3-bit keys also the matching 1-bit words shifted into place, else 0), value code words (4-bit: [BN, D/8];
-    3-bit: [BN, 8], each moved down to its first code, else 0), the fp16 fields [4, BN/4] in fp32 in the score
-    columns' layout. Signed shifts: the bits above are unused."""
-    kc = gl.reshape(kc, [BN, KBM // 4])
-    if KEY_BITS == 3:
-        W1: gl.constexpr = HEAD_DIM // 32
-        kw = gl.arange(0, KBM // 4, layout=sliced(K_LAYOUT, (4,), 5))[None, None, None, None, :]
-        ks = gl.reshape(ks >> (kw // W1), [BN, KBM // 4])
-    else:
-        ks = 0
-    if V_BITS == 4:
-        vc = gl.reshape(vc, [BN, V_LAYOUT.shape[5]])
-        vh = 0
-    else:
-        WV: gl.constexpr = HEAD_DIM // 32
-        vw = gl.arange(0, V_LAYOUT.shape[5], layout=sliced(V_LAYOUT, (5,), 6))[None, None, None, None, None, :]
-        j = vw * (HEAD_DIM // 32)
-        vc = gl.reshape(vc >> (8 * (j % 4)), [BN, 8])
-        vh = gl.reshape(vh >> (j // 4 // WV + 8 * (j % 4)), [BN, 8])
-    return kc, ks, vc, vh, _field(knorm, BN, XL), _field(vscale, BN, XL), _field(vzero, BN, XL)
-
-
-@gluon.jit
-def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
-            KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
-            VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr,
-            K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
-    """A tile's bytes into registers (`_ptrs_w`, `_words_w`): issued one tile ahead, they stay in registers
-    while the tile before is computed."""
-    kp, sp, vp, hp, f = _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB,
-                                VBM, VB, NF, FL, K_LAYOUT, V_LAYOUT)
-    ks = 0
-    if KEY_BITS == 3:
-        ks = gl.load(sp)
-    vh = 0
-    if V_BITS == 3:
-        vh = gl.load(hp)
-    return _words_w(gl.load(kp), ks, gl.load(vp), vh, gl.load(f), gl.load(f + 16 * (NF - 2)),
-                    gl.load(f + 16 * (NF - 1)), HEAD_DIM, KEY_BITS, V_BITS, KBM, BN, XL, K_LAYOUT, V_LAYOUT)
-
-
-@gluon.jit
-def _copy_w(bufs, stage, cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
-            SLOT: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr,
-            VBM: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
-            V_LAYOUT: gl.constexpr):
-    """A tile's bytes into shared-memory stage `stage` by cp.async (`TQGluonConfig.smem_ring`): no registers
-    held while they are in flight. One commit group per tile."""
-    kbuf, sbuf, vbuf, hbuf, nbuf, sbuf16, zbuf = bufs
-    kp, sp, vp, hp, f = _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB,
-                                VBM, VB, NF, FL, K_LAYOUT, V_LAYOUT)
-    async_copy.async_copy_global_to_shared(kbuf.index(stage), kp)
-    if KEY_BITS == 3:
-        async_copy.async_copy_global_to_shared(sbuf.index(stage), sp)
-    async_copy.async_copy_global_to_shared(vbuf.index(stage), vp)
-    if V_BITS == 3:
-        async_copy.async_copy_global_to_shared(hbuf.index(stage), hp)
-    async_copy.async_copy_global_to_shared(nbuf.index(stage), f)
-    async_copy.async_copy_global_to_shared(sbuf16.index(stage), f + 16 * (NF - 2))
-    async_copy.async_copy_global_to_shared(zbuf.index(stage), f + 16 * (NF - 1))
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _read_w(bufs, stage, HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
-            BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
-    """Stage `stage` of the shared ring (`_copy_w`) -> the tile, as `_load_w`."""
-    kbuf, sbuf, vbuf, hbuf, nbuf, sbuf16, zbuf = bufs
-    ks = 0
-    if KEY_BITS == 3:
-        ks = sbuf.index(stage).load(K_LAYOUT)
-    vh = 0
-    if V_BITS == 3:
-        vh = hbuf.index(stage).load(V_LAYOUT)
-    return _words_w(kbuf.index(stage).load(K_LAYOUT), ks, vbuf.index(stage).load(V_LAYOUT), vh,
-                    nbuf.index(stage).load(FL), sbuf16.index(stage).load(FL), zbuf.index(stage).load(FL), HEAD_DIM, KEY_BITS, V_BITS, KBM, BN, XL, K_LAYOUT, V_LAYOUT)
-
-
-@gluon.jit
-def _field(x, BN: gl.constexpr, XL: gl.constexpr):
-    """One fp16 field of the warps' pages (int16 [4, PPW, 16]) -> fp32 [4, BN/4] in the score columns' layout."""
-    x = gl.convert_layout(gl.reshape(x, [4, BN // 4]), gl.SliceLayout(1, XL))
+def _field(f, BN: gl.constexpr, XL: gl.constexpr):
+    """One fp16 field of the warps' pages (pointers [4, PPW, 16]) -> fp32 [4, BN/4] in the score columns' layout."""
+    x = gl.convert_layout(gl.reshape(gl.load(f), [4, BN // 4]), gl.SliceLayout(1, XL))
     return x.to(gl.float16, bitcast=True).to(gl.float32)
 
 
@@ -547,7 +463,6 @@ def _tq_warp_kernel(
     VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
     BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
-    SMEM_RING: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, F_SMEM: gl.constexpr,
     PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
     IS_SPLIT: gl.constexpr,
 ):
@@ -588,45 +503,21 @@ def _tq_warp_kernel(
         l_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
     z_part = gl.zeros_like(l_part)
     acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
-    if SMEM_RING:
-        # The bytes of tile i + 1 are copied into shared memory (cp.async) while tile i is computed, and read into
-        # registers at the start of tile i + 1: nothing is held in registers while in flight.
-        bufs = (gl.allocate_shared_memory(gl.int32, [2] + K_LAYOUT.shape, K_SMEM),
-                gl.allocate_shared_memory(gl.int32, [2] + K_LAYOUT.shape, K_SMEM),
-                gl.allocate_shared_memory(gl.int32, [2] + V_LAYOUT.shape, V_SMEM),
-                gl.allocate_shared_memory(gl.int32, [2] + V_LAYOUT.shape, V_SMEM),
-                gl.allocate_shared_memory(gl.int16, [2] + FL.shape, F_SMEM),
-                gl.allocate_shared_memory(gl.int16, [2] + FL.shape, F_SMEM),
-                gl.allocate_shared_memory(gl.int16, [2] + FL.shape, F_SMEM))
-        _copy_w(bufs, 0, cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL), kvh, NUM_KV, HEAD_DIM,
-                SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, FL, K_LAYOUT, V_LAYOUT)
-        k0 = gl.reshape(gl.zeros([4, PPW, 2, 8, KBM // 4], gl.int32, layout=K_LAYOUT), [BN, KBM // 4])
-        table = _word_bytes(gl.load(order_ptr + HEAD_DIM + k0), BN, KBM // 4)
-    else:
-        # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
-        # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
-        # (NOTES_TQ.md, tenth session).
-        kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr,
-                                                       _pages_w(bt_row, tile_lo, seq_len, PPW, FL), kvh, NUM_KV,
-                                                       HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, BN, XL,
-                                                       FL, K_LAYOUT, V_LAYOUT)
-        # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
-        table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
+    # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
+    # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
+    # (NOTES_TQ.md, tenth session).
+    kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL),
+                                                   kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
+                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
+    # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
+    table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
     pw = _pages_w(bt_row, tile_lo + 1, seq_len, PPW, FL)
     for tile in range(tile_lo, tile_hi):
         if PAGES_AHEAD == 1:
             pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
-        if SMEM_RING:
-            stage = (tile - tile_lo) % 2
-            async_copy.wait_group(0)
-            kc, ks, vc, vh, knorm, vscale, vzero = _read_w(bufs, stage, HEAD_DIM, KEY_BITS, V_BITS, KBM, BN, XL, FL,
-                                                           K_LAYOUT, V_LAYOUT)
-            _copy_w(bufs, 1 - stage, cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM,
-                    KB, VBM, VB, NF, FL, K_LAYOUT, V_LAYOUT)
-        else:
-            nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
-                                                                  HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                                  NF, BN, XL, FL, K_LAYOUT, V_LAYOUT)
+        nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
+                                                              SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, BN, PPW,
+                                                              XL, FL, K_LAYOUT, V_LAYOUT)
         if PAGES_AHEAD == 2:
             pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
         if (tile * BN < start) | (tile * BN + BN > seq_len):
@@ -637,10 +528,7 @@ def _tq_warp_kernel(
             m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
                                              LAZY, False, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
-        if not SMEM_RING:
-            kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
-    if SMEM_RING:
-        async_copy.wait_group(0)  # the copy of the tile past the end
+        kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     # merge the 4 warps: each its own max, sums and O^T
     m_f = gl.max(m_i, 0)  # [8]
@@ -684,24 +572,11 @@ REGISTERS = {"turboquant_4bit_nc": {(64, 64): 94, (64, 128): 150, (64, 256): 255
 two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on as `tq_gluon.default_config` sets it;
 `bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n BN --per-warp --sum-pages`); `TQGluonConfig.maxnreg`
 overrides."""
-RING_REGISTERS = {"turboquant_4bit_nc": {(64, 256): 167, (128, 128): 161},
-                  "turboquant_k3v4_nc": {(64, 256): 168, (128, 128): 155},
-                  "turboquant_3bit_nc": {(64, 256): 214, (128, 128): 168}}
-"""The same with `TQGluonConfig.smem_ring` (`--smem-ring`): the next tile's bytes no longer in registers."""
 
 
-def smem_bytes(head_dim: int, fmt: str = "turboquant_4bit_nc", block_n: int = 64, ring: bool = False) -> int:
-    """Shared memory of one program: the compiler's scratch for layout conversions (same compile) and, with
-    `TQGluonConfig.smem_ring`, two stages of a tile's words (3-bit keys and values: each plane's words) and
-    its three fp16 fields."""
-    if not ring:
-        return 128 * head_dim
-    lay = tq_layout(fmt, head_dim)
-    tokens = 4 * pages_per_warp(block_n) * PAGE
-    key_words = tokens * head_dim * (2 if lay.key_bits == 3 else 4) // 32  # the first key plane's words
-    value_words = tokens * (head_dim // 8 if lay.value_bits == 4 else 8)  # per plane (`value_layout`)
-    planes = 2 if lay.key_bits == 3 else 1, 2 if lay.value_bits == 3 else 1
-    return 128 * head_dim + 2 * (4 * (key_words * planes[0] + value_words * planes[1]) + 3 * 2 * tokens)
+def smem_bytes(head_dim: int) -> int:
+    """Shared memory of one program (the compiler's scratch for layout conversions; same compile)."""
+    return 128 * head_dim
 
 
 def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
@@ -725,7 +600,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages),
-        SMEM_RING=cfg.smem_ring, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
+        PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1:

@@ -152,26 +152,6 @@ def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, sp
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
-@pytest.mark.parametrize("window, sinks, splits", CASES)
-@pytest.mark.parametrize("d, hq, block_n, maxnreg, ahead", [(64, 64, 256, None, 2), (128, 32, 128, None, 2),
-                                                             (128, 8, 64, None, 1), (64, 64, 256, 168, 2)])
-def test_per_warp_smem_ring_matches_reference(fmt: str, window, sinks: bool, splits, d: int, hq: int, block_n: int,
-                                              maxnreg, ahead: int, device: str,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The next tile's bytes staged in shared memory by cp.async (`TQGluonConfig.smem_ring`): the tile read
-    from a stage must be the one copied into it (two stages alternate; the copy of the tile past the end lands
-    in the stage not read), at one, two and four pages per warp, under the 168-register cap that gives 3
-    programs per SM (3bit_nc spills 8 bytes there)."""
-    from kvpolicy.kernels import tq_gluon
-
-    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, maxnreg=maxnreg, pages_ahead=ahead,
-                                 sum_pages=block_n > 64, smem_ring=True)
-    _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
-
-
-@pytest.mark.gpu
-@hopper_only
 @pytest.mark.parametrize("fmt, d, block_n, sum_pages", [
     ("turboquant_4bit_nc", 128, 64, False), ("turboquant_4bit_nc", 64, 64, False), ("turboquant_3bit_nc", 128, 64, False),
     ("turboquant_4bit_nc", 64, 128, False), ("turboquant_4bit_nc", 64, 256, True), ("turboquant_3bit_nc", 128, 128, True)])

@@ -48,7 +48,7 @@
 #   profile23: Nsight Compute profiles of the four-page defaults at 128k with the memory tables: gpt-oss
 #            batch 8 4bit_nc and 3bit_nc, batch 1 4bit_nc, Llama batch 8 3bit_nc.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -228,6 +228,14 @@ elif [ "$2" = profile23 ]; then
       PROFILE_TAG=_s23_$1_b$2 PROFILE_ARGS="--context 131072 --geometry $1 --batch $2" \
       timeout 140 bash bench/profile_gpu.sh "$out" turboquant_$3_gl
   done
+elif [ "$2" = unroll ]; then
+  tq=turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
+  common="--contexts 131072 --batch 8,1 --per-warp 1 --sum-pages 1 --unroll 0,1 --split-scale 1"
+  logged_probe probe_unroll.log unroll_gptoss --formats $tq --geometries gpt-oss-20b --block-n 256 $common
+  logged_probe probe_unroll.log unroll_llama --formats $tq --geometries llama-3.1-8b --block-n 128 $common
+  grep -v "^==" "$out/probe_unroll.log" | grep -E "unroll=|us,"
+  timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k unrolled -p no:cacheprovider > "$out/pytest_unroll.log" 2>&1
+  tail -3 "$out/pytest_unroll.log"
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

@@ -83,7 +83,8 @@ def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages
 
 
 def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bool = True,
-                     maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2, sum_pages: bool = False):
+                     maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2, sum_pages: bool = False,
+                     unroll: bool = False):
     """The Gluon TurboQuant kernel (kernels/tq_gluon.py; per_warp: kernels/tq_warp.py, 1, 2 or 4 pages per warp
     for block_n 64, 128 or 256) for `fmt`, 8 KV heads, planar pages, split, no sinks."""
     from kvpolicy.kernels import tq_gluon as tg
@@ -99,6 +100,7 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
         fn = tw._tq_warp_kernel
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
         constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n, sum_pages))
+        constexprs["UNROLL"] = unroll
     pointers = {"q_ptr": "*fp16", "order_ptr": "*i32", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
@@ -177,27 +179,29 @@ def loop_mix(text: str) -> collections.Counter:
     return _mix(at[a] for a in sorted(at) if head <= a <= end)
 
 
-def common_path(text: str) -> tuple[int, int, collections.Counter]:
-    """(instructions, tiles) on the Gluon TurboQuant kernel's common path through its loop: the shortest path
-    from the loop head to the backward branch, which takes the non-edge copy of `_attend` and the lazy max's
-    skip of the exact-max redo; per thread. Tiles: the loop iteration's tiles (two wgmma per tile). Also the
-    path's opcode counts."""
+def common_path(text: str, tiles: int = 0) -> tuple[int, int, collections.Counter]:
+    """(instructions, tiles) on the Gluon TurboQuant kernel's common path through its loop: the path from the
+    loop head to the backward branch with the most MMAs and, among those, the fewest instructions: it takes
+    the non-edge copy of `_attend`, the lazy max's skip of the exact-max redo, and every tile of an unrolled
+    loop (`TQGluonConfig.unroll`); per thread. Tiles: `tiles`, or the loop iteration's tiles of the warpgroup
+    kernel (two wgmma per tile). Also the path's opcode counts."""
     at = _listing(text)
     head, end = _main_loop(at)
-    best: dict[int, tuple[int, int | None]] = {end: (1, None)}  # address -> (count to the end, next address)
+    # address -> (-MMAs to the end, count to the end, next address)
+    best: dict[int, tuple[int, int, int | None]] = {end: (0, 1, None)}
     for pc in sorted((a for a in at if head <= a < end), reverse=True):
         t, ln = _target(at[pc]), at[pc]
         conditional = bool(re.search(r"\*/\s+@", ln) or re.search(r"BRA\s+!?U?P\d,", ln))
         nxt = [pc + 16] if t is None or t <= pc or conditional else []
         nxt += [t] if t is not None and t > pc else []
-        n = min((n for n in nxt if n in best), key=lambda n: best[n][0])
-        best[pc] = (1 + best[n][0], n)
+        n = min((n for n in nxt if n in best), key=lambda n: best[n][:2])
+        best[pc] = (best[n][0] - bool(re.search(r"\b(HMMA|IMMA|HGMMA|QGMMA)", ln)), 1 + best[n][1], n)
     arrives, pc, path = 0, head, []
     while pc is not None:
         arrives += "WARPGROUP.ARRIVE" in at[pc]
         path.append(at[pc])
-        pc = best[pc][1]
-    return best[head][0], max(1, arrives // 2), _mix(path)
+        pc = best[pc][2]
+    return best[head][1], tiles or max(1, arrives // 2), _mix(path)
 
 
 def main() -> None:
@@ -218,6 +222,7 @@ def main() -> None:
     ap.add_argument("--exact-max", action="store_true", help="Gluon TurboQuant: TQGluonConfig.lazy_max off")
     ap.add_argument("--per-warp", action="store_true", help="Gluon TurboQuant: the per-warp kernel (tq_warp.py)")
     ap.add_argument("--sum-pages", action="store_true", help="per-warp kernel: TQGluonConfig.sum_pages")
+    ap.add_argument("--unroll", action="store_true", help="per-warp kernel: TQGluonConfig.unroll")
     ap.add_argument("--pages-ahead", type=int, default=2, help="Gluon TurboQuant: TQGluonConfig.pages_ahead")
     ap.add_argument("--prefetch", action="store_true", help="TurboQuant: register prefetch of the next tile")
     ap.add_argument("--slot", type=int, help="TurboQuant: slot stride in bytes (padding experiments)")
@@ -227,7 +232,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.tq_gluon:
         k = compile_tq_gluon(a.tq_gluon, a.head_dim, a.block_n, a.group, not a.exact_max, a.maxnreg, a.per_warp, a.pages_ahead,
-                             a.sum_pages)
+                             a.sum_pages, a.unroll)
     elif a.tq:
         k = compile_tq(a.tq, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, a.prefetch, a.maxnreg, a.slot)
     else:
@@ -256,7 +261,7 @@ def main() -> None:
     for op, n in ops.items():
         fam[op.split(".")[0]] += n
     if a.tq_gluon:
-        n, tiles, path_ops = common_path(text)
+        n, tiles, path_ops = common_path(text, 2 if a.unroll else 0)
         print(f"common path: {n / tiles:.1f} instructions per thread per tile, "
               f"{n * a.num_warps / (tiles * a.block_n):.1f} warp-instructions per (token, KV head)")
         print("  common path: " + "  ".join(f"{op} {k}" for op, k in path_ops.most_common(24)))

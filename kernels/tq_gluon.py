@@ -520,6 +520,9 @@ class TQGluonConfig:
     """Per-warp kernel with two or four pages per warp: add the tile's pages up in each thread before the
     softmax sums take them, so that those sums keep one page's shape (fewer registers and rescales; ptxas
     then schedules some formats better, others worse: `default_config`)."""
+    unroll: bool = False
+    """Per-warp kernel: two tiles per loop iteration, their bytes in two register sets that take turns, so that
+    no loaded word is copied at the loop's end (`tq_warp._tq_warp_kernel`)."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
@@ -549,13 +552,19 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       were the one case where two waves won (206.0 against 212.3).
     - The per-warp lazy max skips the O^T rescale (`tq_warp.rescale_ptx`): k3v4_nc at 128-token tiles 280.9
       against 286.0 us (exact max) on the Llama layer, 206.1 against 214.1 on gpt-oss.
+    - Two tiles per loop iteration (`unroll`) for the formats with 4-bit values (fifteenth session,
+      `bench/results_tq_warp_unroll/`, 128k, us, one / two per iteration): gpt-oss layer batch 8 4bit_nc
+      180.7 / 176.7, k3v4_nc 185.1 / 180.8; Llama layer 302.9 / 295.8 and 282.5 / 275.2; batch 1 Llama
+      51.9 / 49.4 and 47.4 / 46.9, gpt-oss 32.5 / 33.1 and 33.7 / 35.0. 3bit_nc keeps one (gpt-oss 208.5 /
+      215.2 at batch 8, Llama 290.5 / 287.6, batch 1 36.6 / 38.7 and 47.1 / 48.9).
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
       for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
       128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
     from kvpolicy.kernels import tq_warp
 
     if fmt in tq_warp.FORMATS:
-        return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True)
+        return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True,
+                             unroll=fmt != "turboquant_3bit_nc")
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)

@@ -454,6 +454,23 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
 
 
 @gluon.jit
+def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
+          HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
+          LAZY: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr,
+          SUM_PAGES: gl.constexpr):
+    """`_tile`, the masked copy only for a tile that reaches outside [start, seq_len)."""
+    if (tile * BN < start) | (tile * BN + BN > seq_len):
+        m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
+                                         qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY, True,
+                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+    else:
+        m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
+                                         qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY, False,
+                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+    return m_i, l_part, z_part, acc
+
+
+@gluon.jit
 def _tq_warp_kernel(
     q_ptr, order_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_out_ptr,
     part_lse_ptr, q_scale, window, num_splits,
@@ -463,7 +480,7 @@ def _tq_warp_kernel(
     VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
     BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
-    PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
+    UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
     IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
@@ -512,23 +529,45 @@ def _tq_warp_kernel(
     # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
     table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
     pw = _pages_w(bt_row, tile_lo + 1, seq_len, PPW, FL)
-    for tile in range(tile_lo, tile_hi):
-        if PAGES_AHEAD == 1:
-            pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
-        nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
-                                                              SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, BN, PPW,
-                                                              XL, FL, K_LAYOUT, V_LAYOUT)
-        if PAGES_AHEAD == 2:
-            pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
-        if (tile * BN < start) | (tile * BN + BN > seq_len):
-            m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
-                                             qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             LAZY, True, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
-        else:
-            m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
-                                             qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM,
-                                             LAZY, False, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
-        kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
+    if UNROLL:
+        # Two tiles per iteration, their bytes in two register sets that take turns: the set of tile i + 2 loads
+        # after tile i is computed, into the same registers, so no set is copied at the loop's end (one pass per
+        # tile took a move per loaded word there).
+        for tile in range(tile_lo, tile_hi, 2):
+            if PAGES_AHEAD == 1:
+                pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
+            bkc, bks, bvc, bvh, bknorm, bvscale, bvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
+                                                                  HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
+                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
+            if PAGES_AHEAD == 2:
+                pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
+            m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
+                                             qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY,
+                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+            if PAGES_AHEAD == 1:
+                pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
+            kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
+                                                           SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, BN, PPW,
+                                                           XL, FL, K_LAYOUT, V_LAYOUT)
+            if PAGES_AHEAD == 2:
+                pw = _pages_w(bt_row, tile + 3, seq_len, PPW, FL)
+            if tile + 1 < tile_hi:
+                m_i, l_part, z_part, acc = _step(bkc, bks, bvc, bvh, bknorm, bvscale, bvzero, tile + 1, seq_len,
+                                                 start, table, q3, qf, qc, m_i, l_part, z_part, acc, HEAD_DIM,
+                                                 KEY_BITS, V_BITS, KBM, LAZY, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+    else:
+        for tile in range(tile_lo, tile_hi):
+            if PAGES_AHEAD == 1:
+                pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
+            nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
+                                                                  HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
+                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
+            if PAGES_AHEAD == 2:
+                pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
+            m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
+                                             qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY,
+                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+            kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     # merge the 4 warps: each its own max, sums and O^T
     m_f = gl.max(m_i, 0)  # [8]
@@ -564,13 +603,14 @@ def _tq_warp_kernel(
 
 FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 """Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values."""
-REGISTERS = {"turboquant_4bit_nc": {(64, 64): 94, (64, 128): 150, (64, 256): 255, (128, 64): 145, (128, 128): 201},
-             "turboquant_k3v4_nc": {(64, 64): 95, (64, 128): 153, (64, 256): 254, (128, 64): 145, (128, 128): 204},
+REGISTERS = {"turboquant_4bit_nc": {(64, 64): 94, (64, 128): 150, (64, 256): 245, (128, 64): 145, (128, 128): 197},
+             "turboquant_k3v4_nc": {(64, 64): 95, (64, 128): 153, (64, 256): 255, (128, 64): 145, (128, 128): 202},
              "turboquant_3bit_nc": {(64, 64): 115, (64, 128): 158, (64, 256): 253, (128, 64): 147,
                                     (128, 128): 208}}
 """Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
-two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on as `tq_gluon.default_config` sets it;
-`bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n BN --per-warp --sum-pages`); `TQGluonConfig.maxnreg`
+two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on and, for the default tiles (256 at head_dim 64, 128 at
+128) of 4bit_nc and k3v4_nc, `TQGluonConfig.unroll`, as `tq_gluon.default_config` sets them; `bench/sass_mix.py
+--tq-gluon FORMAT --head-dim D --block-n BN --per-warp --sum-pages [--unroll]`); `TQGluonConfig.maxnreg`
 overrides."""
 
 
@@ -583,7 +623,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
                    sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg) -> torch.Tensor:
     """Run the kernel (and the shared merge when split); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
-    `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages)."""
+    `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages, unroll)."""
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
     from kvpolicy.kernels.tq_gluon import TQGluonConfig
 
@@ -600,7 +640,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages),
-        PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
+        UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1:

@@ -152,6 +152,23 @@ def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, sp
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("window, sinks, splits", CASES)
+@pytest.mark.parametrize("d, hq, block_n, ahead", [(64, 64, 256, 2), (128, 32, 128, 2), (128, 8, 64, 1)])
+def test_per_warp_unrolled_matches_reference(fmt: str, window, sinks: bool, splits, d: int, hq: int, block_n: int,
+                                             ahead: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tiles per loop iteration (`TQGluonConfig.unroll`, the default of 4bit_nc and k3v4_nc): the register
+    sets take turns, and where a split has an odd number of tiles (1025 tokens are 5 tiles of 256, 9 of 128)
+    its last iteration computes one tile only; the block table one or two tiles ahead."""
+    from kvpolicy.kernels import tq_gluon
+
+    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, pages_ahead=ahead, sum_pages=block_n > 64,
+                                 unroll=True)
+    _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
+
+
+@pytest.mark.gpu
+@hopper_only
 @pytest.mark.parametrize("fmt, d, block_n, sum_pages", [
     ("turboquant_4bit_nc", 128, 64, False), ("turboquant_4bit_nc", 64, 64, False), ("turboquant_3bit_nc", 128, 64, False),
     ("turboquant_4bit_nc", 64, 128, False), ("turboquant_4bit_nc", 64, 256, True), ("turboquant_3bit_nc", 128, 128, True)])

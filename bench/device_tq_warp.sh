@@ -176,7 +176,7 @@ elif [ "$2" = pw ]; then
   timeout 560 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \
     > "$out/pytest_pw.log" 2>&1; tail -3 "$out/pytest_pw.log"
 elif [ "$2" = rt ]; then
-  timeout 300 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
+  timeout 420 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -k "not per_warp" -p no:cacheprovider > "$out/pytest_rt.log" 2>&1; tail -3 "$out/pytest_rt.log"
   evidence_run "${TAG:?set TAG, e.g. tq18}"
 elif [ "$2" = addr ]; then

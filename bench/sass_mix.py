@@ -121,7 +121,8 @@ def live_counts(kernel) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     try:
-        r = subprocess.run([os.path.join(BIN, "nvdisasm"), "-lrm", "count", f.name], capture_output=True, text=True)
+        r = subprocess.run([os.path.join(BIN, "nvdisasm"), "-lrm", "count", f.name], capture_output=True, text=True,
+                           check=False)
         if r.returncode:
             raise SystemExit(f"nvdisasm failed: {r.stderr.strip()}")
         return r.stdout

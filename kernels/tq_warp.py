@@ -480,8 +480,8 @@ def _tq_warp_kernel(
     VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
     BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
-    UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-    IS_SPLIT: gl.constexpr,
+    UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)

@@ -107,36 +107,30 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
     return _compile(fn, constexprs, pointers, {"q_scale"}, set(), 4, None, maxnreg, GluonASTSource)
 
 
-def sass(kernel) -> str:
+def _on_cubin(kernel, tool: str, *args: str) -> str:
+    """stdout of Triton's bundled `tool` (cuobjdump, nvdisasm) run on the kernel's cubin; its stderr as the error."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     try:
-        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        r = subprocess.run([os.path.join(BIN, tool), *args, f.name], capture_output=True, text=True, check=False)
     finally:
         os.unlink(f.name)
+    if r.returncode:
+        raise SystemExit(f"{tool} failed: {r.stderr.strip()}")
+    return r.stdout
+
+
+def sass(kernel) -> str:
+    return _on_cubin(kernel, "cuobjdump", "-sass")
 
 
 def live_counts(kernel) -> str:
     """nvdisasm's listing with the number of live registers at each instruction (`--life-range-mode count`)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        r = subprocess.run([os.path.join(BIN, "nvdisasm"), "-lrm", "count", f.name], capture_output=True, text=True,
-                           check=False)
-        if r.returncode:
-            raise SystemExit(f"nvdisasm failed: {r.stderr.strip()}")
-        return r.stdout
-    finally:
-        os.unlink(f.name)
+    return _on_cubin(kernel, "nvdisasm", "-lrm", "count")
 
 
 def resources(kernel) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
+    out = _on_cubin(kernel, "cuobjdump", "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
     return f"registers {m.group(1)}, stack {m.group(2)} B" if m else out.strip()
 

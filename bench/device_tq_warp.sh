@@ -47,20 +47,14 @@
 # session 23:
 #   profile23: Nsight Compute profiles of the four-page defaults at 128k with the memory tables: gpt-oss
 #            batch 8 4bit_nc and 3bit_nc, batch 1 4bit_nc, Llama batch 8 3bit_nc.
-#   unroll:  the probe of two tiles per loop iteration against one, both layers, and its GPU tests.
-# session 24:
-#   onewarp: the probe of one warp per program (TQGluonConfig.warps 1), its next tile in registers or in a
-#            shared-memory ring (smem_ring), against the 4-warp defaults, at 128k, both layers, batch 8 then 1;
-#            3bit_nc's ring also under a cap of 168 registers (12 warps per SM).
-#   onewarp_tests: the GPU tests of one warp per program.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|onewarp|onewarp_tests}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
   local log=$1 tag=$2; shift 2
   echo "== $tag $*" >> "$out/$log"
-  timeout "${PROBE_LIMIT:-120}" python3 bench/probe_tq_gluon.py "$@" --out "$out/probe_$tag.json" 2>&1 | grep -v picked >> "$out/$log"
+  timeout 120 python3 bench/probe_tq_gluon.py "$@" --out "$out/probe_$tag.json" 2>&1 | grep -v picked >> "$out/$log"
 }
 use_base() {  # the kernel before the change (.ab/tq_warp_base.py, git-ignored: carry it); use_new undoes it
   cp kernels/tq_warp.py "$out/tq_warp_new.py"; cp .ab/tq_warp_base.py kernels/tq_warp.py
@@ -242,25 +236,6 @@ elif [ "$2" = unroll ]; then
   grep -v "^==" "$out/probe_unroll.log" | grep -E "unroll=|us,"
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k unrolled -p no:cacheprovider > "$out/pytest_unroll.log" 2>&1
   tail -3 "$out/pytest_unroll.log"
-elif [ "$2" = onewarp ]; then
-  tq=turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
-  c="--contexts 131072 --per-warp 1 --sum-pages 1"
-  for b in 8 1; do
-    for g in "gpt-oss-20b 256 64" "llama-3.1-8b 128 32"; do
-      set -- $out onewarp $g
-      logged_probe probe_onewarp.log w4_$3_b$b --formats $tq --geometries $3 --batch $b --block-n $4 --unroll 0,1 \
-        --split-scale 1 $c
-      PROBE_LIMIT=200 logged_probe probe_onewarp.log w1_$3_b$b --formats $tq --geometries $3 --batch $b --block-n $5 \
-        --warps 1 --smem-ring 0,1 --unroll 0,1 --split-scale 1,1.5 $c
-    done
-    logged_probe probe_onewarp.log w1cap_b$b --formats turboquant_3bit_nc --geometries gpt-oss-20b --batch $b \
-      --block-n 64 --warps 1 --smem-ring 1 --maxnreg 168 --split-scale 1,1.5 $c
-  done
-  grep -v "^==" "$out/probe_onewarp.log" | grep -E " us |us,"
-elif [ "$2" = onewarp_tests ]; then
-  timeout 400 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "one_warp" -p no:cacheprovider \
-    > "$out/pytest_onewarp.log" 2>&1
-  tail -5 "$out/pytest_onewarp.log"
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

@@ -4,8 +4,7 @@ caches; each config's output is checked against the Triton kernel's. GPU only (s
 
 Usage: python bench/probe_tq_gluon.py [--formats turboquant_4bit_nc,turboquant_k8v4] [--contexts 32768,131072]
        [--batch 1,8] [--block-n 64,128] [--maxnreg 0,128] [--split-scale 1,2] [--lazy 1,0]
-       [--per-warp 0,1] [--pages-ahead 1,2] [--sum-pages 0,1] [--unroll 0,1] [--warps 4,1] [--smem-ring 0,1]
-       [--pages random,sequential] [--out JSON]
+       [--per-warp 0,1] [--pages-ahead 1,2] [--sum-pages 0,1] [--pages random,sequential] [--out JSON]
 """
 from __future__ import annotations
 
@@ -40,9 +39,6 @@ def main() -> None:
     p.add_argument("--pages-ahead", default="2", help="TQGluonConfig.pages_ahead to try: 1, 2 or 1,2")
     p.add_argument("--sum-pages", default="0", help="TQGluonConfig.sum_pages (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--unroll", default="0", help="TQGluonConfig.unroll (per-warp kernel) to try: 0, 1 or 0,1")
-    p.add_argument("--warps", default="4", help="TQGluonConfig.warps (per-warp kernel) to try: 4, 1 or 4,1; block_n "
-                   "is the program's tile, so give the sizes for both (e.g. --block-n 256,64)")
-    p.add_argument("--smem-ring", default="0", help="TQGluonConfig.smem_ring (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--pages", default="random", help="block tables: random, sequential or both (bench_decode.build_case)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -70,23 +66,16 @@ def main() -> None:
                     want = FORMATS[fmt]["decode"](case["caches"][fmt], q, tables[0], sl, case["sinks"]).float()
                     # the Gluon kernel reads the planar layout of the same bytes
                     cache = planar_from_slots(case["caches"][fmt], fmt, geom.head_dim)
-                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll, warps, ring in itertools.product(
+                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll in itertools.product(
                             map(int, args.maxnreg.split(",")), map(int, args.block_n.split(",")),
                             map(int, args.lazy.split(",")), map(int, args.per_warp.split(",")),
                             map(int, args.pages_ahead.split(",")), map(int, args.sum_pages.split(",")),
-                            map(int, args.unroll.split(",")), map(int, args.warps.split(",")),
-                            map(int, args.smem_ring.split(","))):
-                        if (per_warp and fmt not in tq_warp.FORMATS) or (
-                                (sum_pages or unroll or ring or warps != 4) and not per_warp) or (ring and unroll):
+                            map(int, args.unroll.split(","))):
+                        if (per_warp and fmt not in tq_warp.FORMATS) or ((sum_pages or unroll) and not per_warp):
                             continue
-                        if per_warp:
-                            try:
-                                tq_warp.pages_per_warp(block_n, warps)
-                            except ValueError:
-                                continue  # a tile size for the other warp count
                         cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None, lazy_max=bool(lazy),
                                                per_warp=bool(per_warp), pages_ahead=ahead, sum_pages=bool(sum_pages),
-                                               unroll=bool(unroll), warps=warps, smem_ring=bool(ring))
+                                               unroll=bool(unroll))
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev,
                                               waves=())
@@ -105,12 +94,10 @@ def main() -> None:
                             results.append({"geometry": gname, "pages": pages, "batch": batch, "context": ctx, "format": fmt,
                                             "maxnreg": maxnreg, "block_n": block_n, "lazy_max": bool(lazy),
                                             "per_warp": bool(per_warp), "pages_ahead": ahead, "sum_pages": bool(sum_pages),
-                                            "unroll": bool(unroll), "warps": warps, "smem_ring": bool(ring),
-                                            "resident": res,
+                                            "unroll": bool(unroll), "resident": res,
                                             "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
                                             "baselines": base})
-                            print(f"  {fmt}_gl block_n={block_n} lazy={lazy} per_warp={per_warp} ahead={ahead} sum={sum_pages} unroll={unroll} "
-                                  f"warps={warps} ring={ring} maxnreg={maxnreg} "
+                            print(f"  {fmt}_gl block_n={block_n} lazy={lazy} per_warp={per_warp} ahead={ahead} sum={sum_pages} unroll={unroll} maxnreg={maxnreg} "
                                   f"resident={res} "
                                   f"splits={splits}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s; vs Triton "
                                   f"{base[fmt] / us:.2f}x; err vs Triton {err:.1e})", flush=True)

@@ -84,10 +84,9 @@ def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages
 
 def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bool = True,
                      maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2, sum_pages: bool = False,
-                     unroll: bool = False, warps: int = 4, smem_ring: bool = False):
+                     unroll: bool = False):
     """The Gluon TurboQuant kernel (kernels/tq_gluon.py; per_warp: kernels/tq_warp.py, 1, 2 or 4 pages per warp
-    for block_n 64, 128 or 256 with 4 warps per program, 16, 32 or 64 with 1) for `fmt`, 8 KV heads, planar pages,
-    split, no sinks."""
+    for block_n 64, 128 or 256) for `fmt`, 8 KV heads, planar pages, split, no sinks."""
     from kvpolicy.kernels import tq_gluon as tg
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -100,14 +99,12 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
 
         fn = tw._tq_warp_kernel
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-        constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n, sum_pages, warps))
+        constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n, sum_pages))
         constexprs["UNROLL"] = unroll
-        constexprs["SMEM_RING"] = smem_ring
     pointers = {"q_ptr": "*fp16", "order_ptr": "*i32", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    return _compile(fn, constexprs, pointers, {"q_scale"}, set(), warps if per_warp else 4, None, maxnreg,
-                    GluonASTSource)
+    return _compile(fn, constexprs, pointers, {"q_scale"}, set(), 4, None, maxnreg, GluonASTSource)
 
 
 def _on_cubin(kernel, tool: str, *args: str) -> str:
@@ -221,8 +218,6 @@ def main() -> None:
     ap.add_argument("--per-warp", action="store_true", help="Gluon TurboQuant: the per-warp kernel (tq_warp.py)")
     ap.add_argument("--sum-pages", action="store_true", help="per-warp kernel: TQGluonConfig.sum_pages")
     ap.add_argument("--unroll", action="store_true", help="per-warp kernel: TQGluonConfig.unroll")
-    ap.add_argument("--warps", type=int, default=4, help="per-warp kernel: TQGluonConfig.warps (4 or 1)")
-    ap.add_argument("--smem-ring", action="store_true", help="per-warp kernel: TQGluonConfig.smem_ring")
     ap.add_argument("--pages-ahead", type=int, default=2, help="Gluon TurboQuant: TQGluonConfig.pages_ahead")
     ap.add_argument("--prefetch", action="store_true", help="TurboQuant: register prefetch of the next tile")
     ap.add_argument("--slot", type=int, help="TurboQuant: slot stride in bytes (padding experiments)")
@@ -230,11 +225,9 @@ def main() -> None:
     ap.add_argument("--live", help="write nvdisasm's live-register count per instruction here (where the registers go; "
                     "nvdisasm refuses kernels of 255 registers)")
     a = ap.parse_args()
-    if a.tq_gluon and a.per_warp:
-        a.num_warps = a.warps  # the warp-instruction counts below
     if a.tq_gluon:
         k = compile_tq_gluon(a.tq_gluon, a.head_dim, a.block_n, a.group, not a.exact_max, a.maxnreg, a.per_warp, a.pages_ahead,
-                             a.sum_pages, a.unroll, a.warps, a.smem_ring)
+                             a.sum_pages, a.unroll)
     elif a.tq:
         k = compile_tq(a.tq, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, a.prefetch, a.maxnreg, a.slot)
     else:

@@ -523,14 +523,6 @@ class TQGluonConfig:
     unroll: bool = False
     """Per-warp kernel: two tiles per loop iteration, their bytes in two register sets that take turns, so that
     no loaded word is copied at the loop's end (`tq_warp._tq_warp_kernel`)."""
-    warps: int = 4
-    """Per-warp kernel: warps per program, 4 (merged at the program's end) or 1 (`block_n` is then one warp's
-    16, 32 or 64 tokens, and the split merge does what the 4-warp merge did), so that a barrier the compiler
-    inserts stops one warp only."""
-    smem_ring: bool = False
-    """Per-warp kernel: the next tile's bytes go to shared memory by cp.async and are read back at the tile's
-    start, instead of waiting in registers (fewer registers, more warps per SM; the compiler adds two barriers
-    per tile, which with 4 warps per program cost 30-45%: NOTES_TQ.md fifteenth session)."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
@@ -602,9 +594,8 @@ def programs_per_sm(fmt: str, head_dim: int, device: torch.device, cfg: TQGluonC
     if cfg.per_warp:
         from kvpolicy.kernels import tq_warp
 
-        return resident_programs(tq_warp.registers(fmt, head_dim, cfg),
-                                 tq_warp.smem_bytes(head_dim, fmt, cfg.block_n, cfg.warps, cfg.smem_ring),
-                                 cfg.warps, device)
+        regs = cfg.maxnreg or tq_warp.REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n), 255)
+        return resident_programs(regs, tq_warp.smem_bytes(head_dim), 4, device)
     regs = cfg.maxnreg or REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n), 255)
     return resident_programs(regs, smem_bytes(head_dim, cfg), 4, device)
 

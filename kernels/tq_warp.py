@@ -48,60 +48,48 @@ from kvpolicy.kernels.tq_gluon import (
     _word_bytes,
     kernel_constexprs,
 )
-from kvpolicy.kernels.turboquant import SELECT, SUBNORMAL_UNIT, render_ptx, tq_layout
+from kvpolicy.kernels.turboquant import SELECT, SUBNORMAL_UNIT, render_ptx
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
+QA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
+KB8 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
+VA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+PB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
 _UNSUB = gl.constexpr(1.0 / SUBNORMAL_UNIT)
 PAGE = 16
-"""Tokens per page: each warp owns `pages_per_warp(block_n, warps)` whole pages of every tile."""
-WARPS = (4, 1)
-"""Warps per program (`TQGluonConfig.warps`): 4, merged at the end of the program, or 1 (the split merge then
-merges what the 4 warps did), so that a compiler barrier stops one warp only (`TQGluonConfig.smem_ring`)."""
+"""Tokens per page: each warp owns `pages_per_warp(block_n)` whole pages of every tile."""
 
 
-@gluon.constexpr_function
-def mma_layout(warps):
-    """The mma.sync accumulator of [warp, rows, columns] (each warp its own rows and columns)."""
-    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
+def pages_per_warp(block_n: int) -> int:
+    """Pages each of the 4 warps takes per tile: 1, 2 or 4 for 64-, 128- or 256-token tiles (more independent
+    loads and MMAs per online-softmax step, more registers)."""
+    if block_n not in (64, 128, 256):
+        raise ValueError(f"the per-warp kernel takes 64-, 128- or 256-token tiles, not {block_n}")
+    return block_n // (4 * PAGE)
 
 
-@gluon.constexpr_function
-def operand_layout(warps, index, k_width):
-    """mma.sync operand `index` (0: A, 1: B) of `mma_layout(warps)`; k_width 4 for int8, 2 for fp16."""
-    return gl.DotOperandLayout(operand_index=index, parent=mma_layout(warps), k_width=k_width)
-
-
-def pages_per_warp(block_n: int, warps: int = 4) -> int:
-    """Pages each warp takes per tile: 1, 2 or 4 (with 4 warps 64-, 128- or 256-token tiles, with 1 16-, 32- or
-    64-token tiles; more independent loads and MMAs per online-softmax step, more registers)."""
-    if warps not in WARPS or block_n not in tuple(warps * PAGE * p for p in (1, 2, 4)):
-        raise ValueError(f"the per-warp kernel takes {', '.join(str(warps * PAGE * p) for p in (1, 2, 4))}-token "
-                         f"tiles with {warps} warps per program, not {block_n} (warps: {' or '.join(map(str, WARPS))})")
-    return block_n // (warps * PAGE)
-
-
-def _warp_bases(warps: int, rank: int) -> list[list[int]]:
-    """The warp axis (dim 0) of a layout of `rank` dims: warps 1, 2 of 4, or none for one warp per program."""
-    return [[1 << k] + [0] * (rank - 1) for k in range(warps.bit_length() - 1)]
-
-
-def score_layout(ppw: int, warps: int = 4) -> gl.DistributedLinearLayout:
+def score_layout(ppw: int) -> gl.DistributedLinearLayout:
     """Scores and P [warp, head, token of the warp's 16 ppw]: head g in lane group g, tokens 16 pg + {2c, 2c + 1,
     8 + 2c, 9 + 2c} in thread c of it (the mma.sync accumulator's rows g (hi) and 8 + g (lo) combined)."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 8]] + [[0, 0, 16 << k] for k in range(ppw.bit_length() - 1)],
         lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=_warp_bases(warps, 3), block_bases=[], shape=[warps, 8, PAGE * ppw])
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, PAGE * ppw])
 
 
-def field_layout(ppw: int, warps: int = 4) -> gl.DistributedLinearLayout:
+SUM_LAYOUT = gl.constexpr(score_layout(1))
+"""The softmax sums' layout with `TQGluonConfig.sum_pages`: one page's scores (the tile's pages added in-thread)."""
+
+
+def field_layout(ppw: int) -> gl.DistributedLinearLayout:
     """The fp16 fields [warp, page, token] (`score_layout`'s token axis split as [page, row], heads dropped)."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 8]] + [[0, 1 << k, 0] for k in range(ppw.bit_length() - 1)],
         lane_bases=[[0, 0, 2], [0, 0, 4], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
-        warp_bases=_warp_bases(warps, 3), block_bases=[], shape=[warps, ppw, PAGE])
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, ppw, PAGE])
 
 
 def v_pair_program() -> list:
@@ -170,7 +158,7 @@ _RESCALE_CONSTRAINTS_128 = gl.constexpr(",".join(["=f"] * 32 + ["f"] * 64))
 _RESCALE_CONSTRAINTS_64 = gl.constexpr(",".join(["=f"] * 16 + ["f"] * 32))
 
 
-def key_layout(key_bytes: int, ppw: int, warps: int = 4) -> gl.DistributedLinearLayout:
+def key_layout(key_bytes: int, ppw: int) -> gl.DistributedLinearLayout:
     """Key code words of one plane [warp, page, r8, r, key_bytes / 4] (row 8 r8 + r of each page; `tq_gluon.key_layout`
     with the token axis split): each thread a contiguous quarter of rows r, r + 8 of each of its warp's pages.
     r8 holds only a register bit, so row + 8 is a constant offset (`_load_w`)."""
@@ -179,10 +167,10 @@ def key_layout(key_bytes: int, ppw: int, warps: int = 4) -> gl.DistributedLinear
         reg_bases=[[0, 0, 0, 0, 1 << k] for k in range(cw.bit_length() - 1)] + [[0, 0, 1, 0, 0]]
         + [[0, 1 << k, 0, 0, 0] for k in range(ppw.bit_length() - 1)],
         lane_bases=[[0, 0, 0, 0, cw], [0, 0, 0, 0, 2 * cw], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 0, 4, 0]],
-        warp_bases=_warp_bases(warps, 5), block_bases=[], shape=[warps, ppw, 2, 8, key_bytes // 4])
+        warp_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], block_bases=[], shape=[4, ppw, 2, 8, key_bytes // 4])
 
 
-def value_layout(head_dim: int, ppw: int, warps: int = 4) -> gl.DistributedLinearLayout:
+def value_layout(head_dim: int, ppw: int) -> gl.DistributedLinearLayout:
     """Value code words [warp, page, r8, c, r1, D/8] (row 8 r8 + 2 c + r1 of each page): thread (g, c) holds
     words [E g, E g + E) (E = D/64: its 8 or 4 bytes) of rows {2c, 2c + 1, 8 + 2c, 9 + 2c} of each of its warp's
     pages, the tokens of its P^T B-operand rows. The register-only axes r8 and r1 are their own dims so that
@@ -194,7 +182,7 @@ def value_layout(head_dim: int, ppw: int, warps: int = 4) -> gl.DistributedLinea
         + [[0, 1 << k, 0, 0, 0, 0] for k in range(ppw.bit_length() - 1)],
         lane_bases=[[0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0], [0, 0, 0, 0, 0, e], [0, 0, 0, 0, 0, 2 * e],
                     [0, 0, 0, 0, 0, 4 * e]],
-        warp_bases=_warp_bases(warps, 6), block_bases=[], shape=[warps, ppw, 2, 4, 2, head_dim // 8])
+        warp_bases=[[1, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0]], block_bases=[], shape=[4, ppw, 2, 4, 2, head_dim // 8])
 
 
 @gluon.constexpr_function
@@ -206,42 +194,28 @@ def sliced(layout, keep, rank):
     return layout
 
 
-def value_axes(head_dim: int, value_bits: int, ppw: int, warps: int = 4) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape, order) that relabel the value program's joined outputs [token pairs, words, (program axes)] as
     V_w^T's [warp, row, column] axes (`_values_operand`, `_values_operand3`; replayed by test_tq_warp.py).
     Pair axes (w, pg, r8, c): tokens 16 pg + 8 r8 + 2 c + hh of warp w; column = 16 pg + 8 r8 + 2 c + hh."""
     if value_bits == 4:  # (w, pg, r8, c, g, e, hh, u, tt, q) -> (w, e, q, tt, u, g, pg, r8, c, hh)
-        return (warps, ppw, 2, 4, 8, head_dim // 64, 2, 2, 2, 2), (0, 5, 9, 8, 7, 4, 1, 2, 3, 6)
+        return (4, ppw, 2, 4, 8, head_dim // 64, 2, 2, 2, 2), (0, 5, 9, 8, 7, 4, 1, 2, 3, 6)
     if head_dim == 128:  # (w, pg, r8, c, g, hh, s0, s1, tt, q) -> (w, s1, s0, q, tt, g, pg, r8, c, hh)
-        return (warps, ppw, 2, 4, 8, 2, 2, 2, 2, 2), (0, 7, 6, 9, 8, 4, 1, 2, 3, 5)
+        return (4, ppw, 2, 4, 8, 2, 2, 2, 2, 2), (0, 7, 6, 9, 8, 4, 1, 2, 3, 5)
     # (w, pg, r8, c, g, hh, s0, s1, tt) -> (w, s1, s0, tt, g, pg, r8, c, hh)
-    return (warps, ppw, 2, 4, 8, 2, 2, 2, 2), (0, 7, 6, 8, 4, 1, 2, 3, 5)
+    return (4, ppw, 2, 4, 8, 2, 2, 2, 2), (0, 7, 6, 8, 4, 1, 2, 3, 5)
 
 
-def private_shared(layout: gl.DistributedLinearLayout, vector: int = 2) -> gl.SharedLinearLayout:
-    """A shared layout for `layout`'s tensors (the ring's buffers add a leading stage axis) in which each thread's
-    elements are its own: offset bits = `vector` register bits (one LDS of 2^vector elements), the lanes
-    (consecutive vectors for consecutive lanes: no bank conflicts), the other register bits, the warps. Lanes
-    that hold the same elements (zero bases) share them."""
-    bases = (layout.reg_bases[:vector] + [b for b in layout.lane_bases if any(b)] + layout.reg_bases[vector:]
-             + layout.warp_bases)
-    return gl.SharedLinearLayout(offset_bases=[list(b) for b in bases])
-
-
-def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, sum_pages: bool = False,
-            warps: int = 4) -> dict:
-    """The kernel's tile constexprs: W warps per program, BN (the kernel derives the pages per warp from it),
-    the score, field and load layouts (3-bit values are 8 words per token, one per thread g, at any head_dim:
-    `_load_w`), the value operand's relabelling, SUM_PAGES: `TQGluonConfig.sum_pages` where there is more
-    than one page per warp (the softmax sums then take SL, one page's score layout, else the score layout),
-    and the shared layouts of `TQGluonConfig.smem_ring`."""
-    ppw = pages_per_warp(block_n, warps)
-    v_shape, v_order = value_axes(head_dim, value_bits, ppw, warps)
-    kl, vl, fl = (key_layout(key_bytes, ppw, warps), value_layout(head_dim if value_bits == 4 else 64, ppw, warps),
-                  field_layout(ppw, warps))
-    return dict(W=warps, BN=block_n, XL=score_layout(ppw, warps), SL=score_layout(1, warps), FL=fl, K_LAYOUT=kl,
-                V_LAYOUT=vl, V_SHAPE=v_shape, V_ORDER=v_order, SUM_PAGES=sum_pages and ppw > 1,
-                K_SMEM=private_shared(kl), V_SMEM=private_shared(vl), F_SMEM=private_shared(fl))
+def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, sum_pages: bool = False) -> dict:
+    """The kernel's tile constexprs: BN (the kernel derives the pages per warp from it), the score, field and
+    load layouts (3-bit values are 8 words per token, one per thread g, at any head_dim: `_load_w`), the value
+    operand's relabelling, and SUM_PAGES: `TQGluonConfig.sum_pages` where there is more than one page per warp
+    (the softmax sums then take `SUM_LAYOUT`, else the score layout)."""
+    ppw = pages_per_warp(block_n)
+    v_shape, v_order = value_axes(head_dim, value_bits, ppw)
+    return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout(key_bytes, ppw),
+                V_LAYOUT=value_layout(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order,
+                SUM_PAGES=sum_pages and ppw > 1)
 
 
 def dim_of_row(head_dim: int, value_bits: int = 4) -> torch.Tensor:
@@ -267,26 +241,26 @@ def value_unit(head_dim: int, value_bits: int = 4) -> torch.Tensor:
 
 
 @gluon.jit
-def _keys_operand(kc, ks, table, W: gl.constexpr, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _keys_operand(kc, ks, table, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: gl.constexpr,
                   KEY_BITS: gl.constexpr):
     """Key code words [BN, KBM/4] (`key_layout` flattened; 3-bit keys: the 2-bit plane's words, and in `ks` the
-    matching 1-bit words) -> the int8 B operand K_w^T [W, D, BN/W]: output g of word m of thread c at
+    matching 1-bit words) -> the int8 B operand K_w^T [4, D, BN/4]: output g of word m of thread c at
     K = 16 (m G + g) + 4 c + i (`turboquant.int8_operand_order`, G = 2 or 4 outputs per code byte)."""
-    WORDS: gl.constexpr = KBM // 4
+    W: gl.constexpr = KBM // 4
     if KEY_BITS == 4:
-        o0, o1 = gl.inline_asm_elementwise(_K4_I8_ASM, "=r,=r,r,r", [_word_bytes(kc, BN, WORDS), table],
+        o0, o1 = gl.inline_asm_elementwise(_K4_I8_ASM, "=r,=r,r,r", [_word_bytes(kc, BN, W), table],
                                            dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
         t = gl.join(o0, o1)
         G: gl.constexpr = 2
     else:
         o0, o1, o2, o3 = gl.inline_asm_elementwise(_K3_I8_ASM, "=r,=r,=r,=r,r,r,r",
-                                                   [_word_bytes(kc, BN, WORDS), _word_bytes(ks, BN, WORDS), table],
+                                                   [_word_bytes(kc, BN, W), _word_bytes(ks, BN, W), table],
                                                    dtype=(gl.int8,) * 4, is_pure=True, pack=4)
         t = gl.reshape(gl.join(gl.join(o0, o2), gl.join(o1, o3)), [BN, KBM, 4])
         G: gl.constexpr = 4
     M: gl.constexpr = KBM // 16
     y = gl.permute(gl.reshape(t, [BN, 4, M, 4, G]), (0, 2, 4, 1, 3))
-    return gl.convert_layout(gl.permute(gl.reshape(y, [W, BN // W, HEAD_DIM]), (0, 2, 1)), operand_layout(W, 1, 4))
+    return gl.convert_layout(gl.permute(gl.reshape(y, [4, BN // 4, HEAD_DIM]), (0, 2, 1)), KB8)
 
 
 @gluon.jit
@@ -298,9 +272,8 @@ def _halves(w):
 
 
 @gluon.jit
-def _values_operand(vc, W: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr,
-                    V_ORDER: gl.constexpr):
-    """Value code words [BN, D/8] (`value_layout` flattened) -> the fp16 A operand V_w^T [W, D, BN/W] of exact
+def _values_operand(vc, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr):
+    """Value code words [BN, D/8] (`value_layout` flattened) -> the fp16 A operand V_w^T [4, D, BN/4] of exact
     subnormals (16^u x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row`, column = the warp's token
     16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
     a, b = gl.split(gl.permute(gl.reshape(vc, [BN // 2, 2, HEAD_DIM // 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
@@ -311,11 +284,11 @@ def _values_operand(vc, W: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexp
     y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
                 gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
     y = gl.permute(gl.reshape(y, V_SHAPE.value), V_ORDER.value)
-    return gl.convert_layout(gl.reshape(y, [W, HEAD_DIM, BN // W]), operand_layout(W, 0, 2))
+    return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, BN // 4]), VA)
 
 
 @gluon.jit
-def _values_operand3(v2, v1, W: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr,
+def _values_operand3(v2, v1, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr,
                      V_ORDER: gl.constexpr):
     """3-bit value words [BN, 8] (`value_layout(64)` flattened; `_load_w`) -> the fp16 A operand V_w^T
     [4, D, BN/4] of exact subnormals (4^s x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row(D, 3)`, column
@@ -337,29 +310,29 @@ def _values_operand3(v2, v1, W: gl.constexpr, BN: gl.constexpr, HEAD_DIM: gl.con
         y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
                     gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
     y = gl.permute(gl.reshape(y, V_SHAPE.value), V_ORDER.value)
-    return gl.convert_layout(gl.reshape(y, [W, HEAD_DIM, BN // W]), operand_layout(W, 0, 2))
+    return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, BN // 4]), VA)
 
 
 @gluon.jit
-def _pages_w(bt_row, tile, seq_len, W: gl.constexpr, PPW: gl.constexpr, FL: gl.constexpr):
-    """Warp w's pages of tile `tile` [W, PPW]: entries PPW (tile W + w) + pg of the block table (page 0 past the
+def _pages_w(bt_row, tile, seq_len, PPW: gl.constexpr, FL: gl.constexpr):
+    """Warp w's pages of tile `tile` [4, PPW]: entries PPW (tile 4 + w) + pg of the block table (page 0 past the
     sequence, masked later). Loaded ahead: every load of a tile's bytes waits for them."""
     pl: gl.constexpr = gl.SliceLayout(2, FL)
-    e = ((tile * W + gl.arange(0, W, layout=gl.SliceLayout(1, pl))) * PPW)[:, None] \
+    e = ((tile * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, pl))) * PPW)[:, None] \
         + gl.arange(0, PPW, layout=gl.SliceLayout(0, pl))[None, :]
     return gl.load(bt_row + e, mask=e * 16 < seq_len, other=0)
 
 
 @gluon.jit
-def _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
+def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
-            VB: gl.constexpr, NF: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
-    """The addresses of a tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [W, PPW, 2, 8,
-    KBM/4] (`key_layout`; 3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else the key
-    words again), value code words [W, PPW, 2, 4, 2, words] (`value_layout`; 4-bit: D/8 words; 3-bit: a word of
-    the 2-bit plane and one of the 1-bit plane per thread and token, else the value words again) and the
-    three fp16 fields [W, PPW, 16] (`field_layout`). `_words_w` turns the loaded words into the tile."""
-    base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [W, PPW]
+            VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr,
+            FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
+    """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (`key_layout`
+    flattened; 3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words
+    (4-bit: [BN, D/8], `value_layout`; 3-bit: [BN, 8], a word of the 2-bit plane and one of the 1-bit plane per
+    thread and token, else 0), the fp16 fields [4, BN/4] in the score columns' layout."""
+    base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
     # keys: rows r, r + 8 of each of the warp's pages, a quarter row per thread. Each address adds the lane's
     # part (row r, word) first and the register's constant (row + 8) last: with the row as one index LLVM
     # turns 8 r8 + r into an `or` and ptxas forms one 64-bit address per row instead of an immediate offset.
@@ -367,12 +340,13 @@ def _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     k8 = gl.arange(0, 2, layout=sliced(K_LAYOUT, (2,), 5))[None, None, :, None, None]
     kr = gl.arange(0, 8, layout=sliced(K_LAYOUT, (3,), 5))[None, None, None, :, None]
     kw = gl.arange(0, KBM // 4, layout=sliced(K_LAYOUT, (4,), 5))[None, None, None, None, :]
-    kp = cache32_ptr + kb + (kr * (KBM // 4) + kw) + k8 * (8 * (KBM // 4))
-    sp = kp
+    kc = gl.reshape(gl.load(cache32_ptr + kb + (kr * (KBM // 4) + kw) + k8 * (8 * (KBM // 4))), [BN, KBM // 4])
+    ks = 0
     if KEY_BITS == 3:
-        # word c of the 2-bit row goes with 1-bit word c mod W1 (W1 = D/32 words per row; `_words_w` shifts it)
+        # word c of the 2-bit row goes with 1-bit word c mod W, shifted by c // W (W = D/32 words per row)
         W1: gl.constexpr = HEAD_DIM // 32
-        sp = cache32_ptr + kb + 4 * KBM + (kr * W1 + kw % W1) + k8 * (8 * W1)
+        ks = gl.load(cache32_ptr + kb + 4 * KBM + (kr * W1 + kw % W1) + k8 * (8 * W1)) >> (kw // W1)
+        ks = gl.reshape(ks, [BN, KBM // 4])
     # values: rows 2c, 2c + 1, 8 + 2c, 9 + 2c of each of the warp's pages, thread g's D/16 bytes
     vb = gl.convert_layout(base, sliced(V_LAYOUT, (0, 1), 6))[:, :, None, None, None, None]
     r8 = gl.arange(0, 2, layout=sliced(V_LAYOUT, (2,), 6))[None, None, :, None, None, None]
@@ -383,133 +357,56 @@ def _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     lane_rows = r2 * 2
     reg_rows = r8 * 8 + r1
     vw = gl.arange(0, V_LAYOUT.shape[5], layout=sliced(V_LAYOUT, (5,), 6))[None, None, None, None, None, :]
+    vh = 0
     if V_BITS == 4:
-        vp = cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + vw) + reg_rows * (VBM // 4)
-        hp = vp
+        vc = gl.load(cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + vw) + reg_rows * (VBM // 4))
+        vc = gl.reshape(vc, [BN, VBM // 4])
     else:
         # thread g: the D/32 bytes of the 2-bit plane from byte j = g D/32 (word j / 4, from its byte j % 4),
-        # and the 1-bit word of the same codes (`tq_gluon._plane_words`); `_words_w` moves both into place
+        # and the 1-bit word of the same codes shifted into place (`tq_gluon._plane_words`), both moved down
+        # by j % 4 bytes (D 64: threads 2k and 2k + 1 share a word). Signed shifts: the bits above are unused.
         WV: gl.constexpr = HEAD_DIM // 32
-        c = (vw * (HEAD_DIM // 32)) // 4
-        vp = cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + c) + reg_rows * (VBM // 4)
-        hp = cache32_ptr + vb + 4 * (KB + VBM) + (lane_rows * WV + c % WV) + reg_rows * WV
+        j = vw * (HEAD_DIM // 32)
+        c = j // 4
+        vc = gl.load(cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + c) + reg_rows * (VBM // 4)) >> (8 * (j % 4))
+        vh = gl.load(cache32_ptr + vb + 4 * (KB + VBM) + (lane_rows * WV + c % WV) + reg_rows * WV)
+        vh = vh >> (c // WV + 8 * (j % 4))
+        vc = gl.reshape(vc, [BN, 8])
+        vh = gl.reshape(vh, [BN, 8])
+
     # fields of the tokens in the score's columns (planes of 16 halves per page)
     tk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, FL)))
     f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, :, None] + tk[None, None, :]
-    return kp, sp, vp, hp, f
+    knorm = _field(f, BN, XL)
+    vscale = _field(f + 16 * (NF - 2), BN, XL)
+    vzero = _field(f + 16 * (NF - 1), BN, XL)
+    return kc, ks, vc, vh, knorm, vscale, vzero
 
 
 @gluon.jit
-def _words_w(kc, ks, vc, vh, knorm, vscale, vzero, W: gl.constexpr, HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr,
-             V_BITS: gl.constexpr, KBM: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, K_LAYOUT: gl.constexpr,
-             V_LAYOUT: gl.constexpr):
-    """The loaded words of `_ptrs_w`'s addresses -> a tile: key code words [BN, KBM/4] (`key_layout` flattened;
-    3-bit keys also the matching 1-bit words shifted into place, else 0), value code words (4-bit: [BN, D/8];
-    3-bit: [BN, 8], each moved down to its first code (D 64: threads 2k and 2k + 1 share a word), else 0),
-    the fp16 fields [W, BN/W] in fp32 in the score columns' layout. Signed shifts: the bits above are unused."""
-    kc = gl.reshape(kc, [BN, KBM // 4])
-    if KEY_BITS == 3:
-        W1: gl.constexpr = HEAD_DIM // 32
-        kw = gl.arange(0, KBM // 4, layout=sliced(K_LAYOUT, (4,), 5))[None, None, None, None, :]
-        ks = gl.reshape(ks >> (kw // W1), [BN, KBM // 4])
-    else:
-        ks = 0
-    if V_BITS == 4:
-        vc = gl.reshape(vc, [BN, V_LAYOUT.shape[5]])
-        vh = 0
-    else:
-        WV: gl.constexpr = HEAD_DIM // 32
-        vw = gl.arange(0, V_LAYOUT.shape[5], layout=sliced(V_LAYOUT, (5,), 6))[None, None, None, None, None, :]
-        j = vw * (HEAD_DIM // 32)
-        vc = gl.reshape(vc >> (8 * (j % 4)), [BN, 8])
-        vh = gl.reshape(vh >> (j // 4 // WV + 8 * (j % 4)), [BN, 8])
-    return (kc, ks, vc, vh, _field(knorm, W, BN, XL), _field(vscale, W, BN, XL), _field(vzero, W, BN, XL))
-
-
-@gluon.jit
-def _field(x, W: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr):
-    """One fp16 field of the warps' pages (int16 [W, PPW, 16]) -> fp32 [W, BN/W] in the score columns' layout."""
-    x = gl.convert_layout(gl.reshape(x, [W, BN // W]), gl.SliceLayout(1, XL))
+def _field(f, BN: gl.constexpr, XL: gl.constexpr):
+    """One fp16 field of the warps' pages (pointers [4, PPW, 16]) -> fp32 [4, BN/4] in the score columns' layout."""
+    x = gl.convert_layout(gl.reshape(gl.load(f), [4, BN // 4]), gl.SliceLayout(1, XL))
     return x.to(gl.float16, bitcast=True).to(gl.float32)
-
-
-@gluon.jit
-def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
-            KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
-            VB: gl.constexpr, NF: gl.constexpr, W: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr,
-            FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
-    """A tile's bytes into registers (`_ptrs_w`, `_words_w`): issued one tile ahead, they stay in registers
-    while the tile before is computed."""
-    kp, sp, vp, hp, f = _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB,
-                                VBM, VB, NF, FL, K_LAYOUT, V_LAYOUT)
-    ks = 0
-    if KEY_BITS == 3:
-        ks = gl.load(sp)
-    vh = 0
-    if V_BITS == 3:
-        vh = gl.load(hp)
-    return _words_w(gl.load(kp), ks, gl.load(vp), vh, gl.load(f), gl.load(f + 16 * (NF - 2)),
-                    gl.load(f + 16 * (NF - 1)), W, HEAD_DIM, KEY_BITS, V_BITS, KBM, BN, XL, K_LAYOUT, V_LAYOUT)
-
-
-@gluon.jit
-def _copy_w(bufs, stage, cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr,
-            SLOT: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr,
-            VBM: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
-            V_LAYOUT: gl.constexpr):
-    """A tile's bytes into shared-memory stage `stage` by cp.async (`TQGluonConfig.smem_ring`): no registers
-    held while they are in flight. One commit group per tile."""
-    kbuf, sbuf, vbuf, hbuf, nbuf, scbuf, zbuf = bufs
-    kp, sp, vp, hp, f = _ptrs_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB,
-                                VBM, VB, NF, FL, K_LAYOUT, V_LAYOUT)
-    async_copy.async_copy_global_to_shared(kbuf.index(stage), kp)
-    if KEY_BITS == 3:
-        async_copy.async_copy_global_to_shared(sbuf.index(stage), sp)
-    async_copy.async_copy_global_to_shared(vbuf.index(stage), vp)
-    if V_BITS == 3:
-        async_copy.async_copy_global_to_shared(hbuf.index(stage), hp)
-    async_copy.async_copy_global_to_shared(nbuf.index(stage), f)
-    async_copy.async_copy_global_to_shared(scbuf.index(stage), f + 16 * (NF - 2))
-    async_copy.async_copy_global_to_shared(zbuf.index(stage), f + 16 * (NF - 1))
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _read_w(bufs, stage, W: gl.constexpr, HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr,
-            KBM: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
-            V_LAYOUT: gl.constexpr):
-    """Stage `stage` of the shared ring (`_copy_w`) -> the tile, as `_load_w`."""
-    kbuf, sbuf, vbuf, hbuf, nbuf, scbuf, zbuf = bufs
-    ks = 0
-    if KEY_BITS == 3:
-        ks = sbuf.index(stage).load(K_LAYOUT)
-    vh = 0
-    if V_BITS == 3:
-        vh = hbuf.index(stage).load(V_LAYOUT)
-    return _words_w(kbuf.index(stage).load(K_LAYOUT), ks, vbuf.index(stage).load(V_LAYOUT), vh,
-                    nbuf.index(stage).load(FL), scbuf.index(stage).load(FL), zbuf.index(stage).load(FL), W, HEAD_DIM,
-                    KEY_BITS, V_BITS, KBM, BN, XL, K_LAYOUT, V_LAYOUT)
 
 
 @gluon.jit
 def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
-          LAZY: gl.constexpr, EDGE: gl.constexpr, W: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr,
-          SL: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr):
+          LAZY: gl.constexpr, EDGE: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr,
+          V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr):
     """One tile, each warp its BN/4 tokens: S_w, online softmax (exact or lazy max), O_w^T += V_w^T P_w^T.
     EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
     path). The tile's bytes come from `_load_w`, issued one tile ahead."""
     tl: gl.constexpr = gl.SliceLayout(1, XL)
-    MMA: gl.constexpr = mma_layout(W)
-    s = mma_v2(q3, _keys_operand(kc, ks, table, W, BN, KBM, HEAD_DIM, KEY_BITS),
-               gl.zeros([W, 16, BN // W], gl.int32, MMA))
+    s = mma_v2(q3, _keys_operand(kc, ks, table, BN, KBM, HEAD_DIM, KEY_BITS), gl.zeros([4, 16, BN // 4], gl.int32, MMA))
     # rows h (hi bytes) and 8 + h (lo bytes) are in the same thread
-    hi, lo = gl.split(gl.permute(gl.reshape(s, [W, 2, 8, BN // W]), (0, 2, 3, 1)))
-    x = gl.convert_layout((hi * Q_LO_INT + lo).to(gl.float32), XL)  # [W, 8 heads, BN/W tokens]
+    hi, lo = gl.split(gl.permute(gl.reshape(s, [4, 2, 8, BN // 4]), (0, 2, 3, 1)))
+    x = gl.convert_layout((hi * Q_LO_INT + lo).to(gl.float32), XL)  # [4, 8 heads, BN/4 tokens]
     if EDGE:
         # Stale slots may hold NaN norms and scales: masked scores, zero scale and zero point.
-        pos = (tile * BN + gl.arange(0, W, layout=gl.SliceLayout(1, tl))[:, None] * (BN // W)
-               + gl.arange(0, BN // W, layout=gl.SliceLayout(0, tl))[None, :])
+        pos = (tile * BN + gl.arange(0, 4, layout=gl.SliceLayout(1, tl))[:, None] * (BN // 4)
+               + gl.arange(0, BN // 4, layout=gl.SliceLayout(0, tl))[None, :])
         ok = (pos < seq_len) & (pos >= start)
         knorm = gl.where(ok, knorm, 0.0)
         vscale = gl.where(ok, vscale, 0.0)
@@ -530,14 +427,14 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     p = gl.exp2(x - m_use[:, :, None])
     if SUM_PAGES:
         # the tile's pages added in-thread first (register bits of the score layout): sums of one page's shape
-        PPW: gl.constexpr = BN // (16 * W)
-        a1 = gl.convert_layout(alpha, gl.SliceLayout(2, SL))[:, :, None]
-        l_part = l_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p, [W, 8, PPW, 16]), 2), SL)
-        z_part = z_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p * vzero[:, None, :], [W, 8, PPW, 16]), 2), SL)
+        a1 = gl.convert_layout(alpha, gl.SliceLayout(2, SUM_LAYOUT))[:, :, None]
+        l_part = l_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p, [4, 8, BN // 64, 16]), 2), SUM_LAYOUT)
+        z_part = z_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p * vzero[:, None, :], [4, 8, BN // 64, 16]), 2),
+                                                 SUM_LAYOUT)
     else:
         l_part = l_part * alpha[:, :, None] + p
         z_part = z_part * alpha[:, :, None] + p * vzero[:, None, :]
-    pb = gl.convert_layout(gl.permute((p * vscale[:, None, :]).to(gl.float16), (0, 2, 1)), operand_layout(W, 1, 2))
+    pb = gl.convert_layout(gl.permute((p * vscale[:, None, :]).to(gl.float16), (0, 2, 1)), PB)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
     if LAZY:
         # O^T is HEAD_DIM / 4 registers per thread; the common tile keeps its max and skips their FMULs
@@ -550,26 +447,26 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     else:
         acc = acc * alpha_o
     if V_BITS == 4:
-        acc = mma_v2(_values_operand(vc, W, BN, HEAD_DIM, V_SHAPE, V_ORDER), pb, acc)
+        acc = mma_v2(_values_operand(vc, BN, HEAD_DIM, V_SHAPE, V_ORDER), pb, acc)
     else:
-        acc = mma_v2(_values_operand3(vc, vh, W, BN, HEAD_DIM, V_SHAPE, V_ORDER), pb, acc)
+        acc = mma_v2(_values_operand3(vc, vh, BN, HEAD_DIM, V_SHAPE, V_ORDER), pb, acc)
     return m_new, l_part, z_part, acc
 
 
 @gluon.jit
 def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
-          LAZY: gl.constexpr, W: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, SL: gl.constexpr,
-          V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr):
+          LAZY: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr,
+          SUM_PAGES: gl.constexpr):
     """`_tile`, the masked copy only for a tile that reaches outside [start, seq_len)."""
     if (tile * BN < start) | (tile * BN + BN > seq_len):
         m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
                                          qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY, True,
-                                         W, BN, XL, SL, V_SHAPE, V_ORDER, SUM_PAGES)
+                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
     else:
         m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
                                          qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY, False,
-                                         W, BN, XL, SL, V_SHAPE, V_ORDER, SUM_PAGES)
+                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
     return m_i, l_part, z_part, acc
 
 
@@ -581,9 +478,8 @@ def _tq_warp_kernel(
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
     VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
-    W: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, SL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
+    BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
-    K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, F_SMEM: gl.constexpr, SMEM_RING: gl.constexpr,
     UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
@@ -592,12 +488,11 @@ def _tq_warp_kernel(
     seq = gl.program_id(2)
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
     ROWL: gl.constexpr = gl.SliceLayout(2, XL)
-    MMA: gl.constexpr = mma_layout(W)
-    PPW: gl.constexpr = BN // (16 * W)  # `pages_per_warp`
+    PPW: gl.constexpr = BN // 64  # `pages_per_warp`
 
     # The query as two signed bytes per coordinate, in the score MMA's K order (as `tq_gluon`), then the
-    # mma.sync A operand [W, 16, D] (every warp the whole query; once per program).
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [W, 1], [1, 0])
+    # mma.sync A operand [4, 16, D] (every warp the whole query; once per program).
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
     order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
     q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
@@ -608,110 +503,76 @@ def _tq_warp_kernel(
     hi = gl.floor(x + 0.5)
     lo = gl.floor((x - hi) * Q_LO + 0.5)
     q16 = gl.reshape(gl.permute(gl.join(hi.to(gl.int8), lo.to(gl.int8)), (2, 0, 1)), [16, HEAD_DIM])
-    b3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // (HEAD_DIM // 8), HEAD_DIM // 8], [W, 1, 1], [2, 1, 0])
-    q3 = gl.expand_dims(gl.convert_layout(q16, gl.SliceLayout(0, b3)), 0) + gl.zeros([W, 16, HEAD_DIM], gl.int8, b3)
-    q3 = gl.convert_layout(q3, operand_layout(W, 0, 4))
+    b3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1, 1], [2, 1, 0])
+    q3 = gl.expand_dims(gl.convert_layout(q16, gl.SliceLayout(0, b3)), 0) + gl.zeros([4, 16, HEAD_DIM], gl.int8, b3)
+    q3 = gl.convert_layout(q3, QA)
     # the score of head h: (Q_LO hi.b + lo.b + qc) qf knorm (`tq_gluon`)
     qf = gl.convert_layout(step * (1.0 / (Q_LO * I8_SCALE)), gl.SliceLayout(0, ROWL))
     qc = gl.convert_layout(0.5 * gl.sum(hi * Q_LO + lo, 1), gl.SliceLayout(0, ROWL))
 
     bt_row = block_tables_ptr + seq * stride_bt
 
-    m_i = gl.full([W, 8], float("-inf"), gl.float32, layout=ROWL)
+    m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
     # per-thread softmax sums (and of P x zero point)
     if SUM_PAGES:
-        l_part = gl.zeros([W, 8, 16], gl.float32, layout=SL)
+        l_part = gl.zeros([4, 8, 16], gl.float32, layout=SUM_LAYOUT)
     else:
-        l_part = gl.zeros([W, 8, BN // W], gl.float32, layout=XL)
+        l_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
     z_part = gl.zeros_like(l_part)
-    acc = gl.zeros([W, HEAD_DIM, 8], gl.float32, layout=MMA)
-    if SMEM_RING:
-        # The bytes of tile i + 1 are copied into shared memory (cp.async) while tile i is computed, and read into
-        # registers at the start of tile i + 1: nothing is held in registers while in flight. The compiler puts
-        # a barrier after each wait and before each copy: with one warp per program it holds that warp only.
-        bufs = (gl.allocate_shared_memory(gl.int32, [2] + K_LAYOUT.shape, K_SMEM),
-                gl.allocate_shared_memory(gl.int32, [2] + K_LAYOUT.shape, K_SMEM),
-                gl.allocate_shared_memory(gl.int32, [2] + V_LAYOUT.shape, V_SMEM),
-                gl.allocate_shared_memory(gl.int32, [2] + V_LAYOUT.shape, V_SMEM),
-                gl.allocate_shared_memory(gl.int16, [2] + FL.shape, F_SMEM),
-                gl.allocate_shared_memory(gl.int16, [2] + FL.shape, F_SMEM),
-                gl.allocate_shared_memory(gl.int16, [2] + FL.shape, F_SMEM))
-        # the PRMT table word in a vector register for the whole loop (a scalar is copied before each PRMT)
-        k0 = gl.reshape(gl.zeros([W, PPW, 2, 8, KBM // 4], gl.int32, layout=K_LAYOUT), [BN, KBM // 4])
-        table = _word_bytes(gl.load(order_ptr + HEAD_DIM + k0), BN, KBM // 4)
-        _copy_w(bufs, 0, cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, W, PPW, FL), kvh, NUM_KV,
-                HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, FL, K_LAYOUT, V_LAYOUT)
-        pw = _pages_w(bt_row, tile_lo + 1, seq_len, W, PPW, FL)
-        for tile in range(tile_lo, tile_hi):
+    acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
+    # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
+    # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
+    # (NOTES_TQ.md, tenth session).
+    kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL),
+                                                   kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
+                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
+    # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
+    table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
+    pw = _pages_w(bt_row, tile_lo + 1, seq_len, PPW, FL)
+    if UNROLL:
+        # Two tiles per iteration, their bytes in two register sets that take turns: the set of tile i + 2 loads
+        # after tile i is computed, into the same registers, so no set is copied at the loop's end (one pass per
+        # tile took a move per loaded word there).
+        for tile in range(tile_lo, tile_hi, 2):
             if PAGES_AHEAD == 1:
-                pw = _pages_w(bt_row, tile + 1, seq_len, W, PPW, FL)
-            stage = (tile - tile_lo) % 2
-            async_copy.wait_group(0)
-            kc, ks, vc, vh, knorm, vscale, vzero = _read_w(bufs, stage, W, HEAD_DIM, KEY_BITS, V_BITS, KBM, BN, XL,
-                                                           FL, K_LAYOUT, V_LAYOUT)
-            _copy_w(bufs, 1 - stage, cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS,
-                    KBM, KB, VBM, VB, NF, FL, K_LAYOUT, V_LAYOUT)
+                pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
+            bkc, bks, bvc, bvh, bknorm, bvscale, bvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
+                                                                  HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
+                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
             if PAGES_AHEAD == 2:
-                pw = _pages_w(bt_row, tile + 2, seq_len, W, PPW, FL)
+                pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
             m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY,
-                                             W, BN, XL, SL, V_SHAPE, V_ORDER, SUM_PAGES)
-        async_copy.wait_group(0)  # the copy of the tile past the end
+                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+            if PAGES_AHEAD == 1:
+                pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
+            kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
+                                                           SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, BN, PPW,
+                                                           XL, FL, K_LAYOUT, V_LAYOUT)
+            if PAGES_AHEAD == 2:
+                pw = _pages_w(bt_row, tile + 3, seq_len, PPW, FL)
+            if tile + 1 < tile_hi:
+                m_i, l_part, z_part, acc = _step(bkc, bks, bvc, bvh, bknorm, bvscale, bvzero, tile + 1, seq_len,
+                                                 start, table, q3, qf, qc, m_i, l_part, z_part, acc, HEAD_DIM,
+                                                 KEY_BITS, V_BITS, KBM, LAZY, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
     else:
-        # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
-        # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
-        # (NOTES_TQ.md, tenth session).
-        kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr,
-                                                       _pages_w(bt_row, tile_lo, seq_len, W, PPW, FL), kvh, NUM_KV,
-                                                       HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, W, BN,
-                                                       XL, FL, K_LAYOUT, V_LAYOUT)
-        table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
-        pw = _pages_w(bt_row, tile_lo + 1, seq_len, W, PPW, FL)
-        if UNROLL:
-            # Two tiles per iteration, their bytes in two register sets that take turns: the set of tile i + 2
-            # loads after tile i is computed, into the same registers, so no set is copied at the loop's end (one
-            # pass per tile took a move per loaded word there).
-            for tile in range(tile_lo, tile_hi, 2):
-                if PAGES_AHEAD == 1:
-                    pw = _pages_w(bt_row, tile + 1, seq_len, W, PPW, FL)
-                bkc, bks, bvc, bvh, bknorm, bvscale, bvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
-                                                                      HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM,
-                                                                      VB, NF, W, BN, XL, FL, K_LAYOUT, V_LAYOUT)
-                if PAGES_AHEAD == 2:
-                    pw = _pages_w(bt_row, tile + 2, seq_len, W, PPW, FL)
-                m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table,
-                                                 q3, qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS,
-                                                 KBM, LAZY, W, BN, XL, SL, V_SHAPE, V_ORDER, SUM_PAGES)
-                if PAGES_AHEAD == 1:
-                    pw = _pages_w(bt_row, tile + 2, seq_len, W, PPW, FL)
-                kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
-                                                               SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, W, BN,
-                                                               XL, FL, K_LAYOUT, V_LAYOUT)
-                if PAGES_AHEAD == 2:
-                    pw = _pages_w(bt_row, tile + 3, seq_len, W, PPW, FL)
-                if tile + 1 < tile_hi:
-                    m_i, l_part, z_part, acc = _step(bkc, bks, bvc, bvh, bknorm, bvscale, bvzero, tile + 1, seq_len,
-                                                     start, table, q3, qf, qc, m_i, l_part, z_part, acc, HEAD_DIM,
-                                                     KEY_BITS, V_BITS, KBM, LAZY, W, BN, XL, SL, V_SHAPE, V_ORDER,
-                                                     SUM_PAGES)
-        else:
-            for tile in range(tile_lo, tile_hi):
-                if PAGES_AHEAD == 1:
-                    pw = _pages_w(bt_row, tile + 1, seq_len, W, PPW, FL)
-                nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
-                                                                      HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM,
-                                                                      VB, NF, W, BN, XL, FL, K_LAYOUT, V_LAYOUT)
-                if PAGES_AHEAD == 2:
-                    pw = _pages_w(bt_row, tile + 2, seq_len, W, PPW, FL)
-                m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table,
-                                                 q3, qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS,
-                                                 KBM, LAZY, W, BN, XL, SL, V_SHAPE, V_ORDER, SUM_PAGES)
-                kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
+        for tile in range(tile_lo, tile_hi):
+            if PAGES_AHEAD == 1:
+                pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
+            nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
+                                                                  HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
+                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
+            if PAGES_AHEAD == 2:
+                pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
+            m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
+                                             qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY,
+                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+            kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
-    # merge the program's warps: each its own max, sums and O^T
+    # merge the 4 warps: each its own max, sums and O^T
     m_f = gl.max(m_i, 0)  # [8]
     m_use = gl.where(m_f == float("-inf"), 0.0, m_f)
-    w_scale = gl.exp2(m_i - m_use[None, :])  # [W, 8]; 0 for a warp that saw nothing
+    w_scale = gl.exp2(m_i - m_use[None, :])  # [4, 8]; 0 for a warp that saw nothing
     w_scale = gl.where(m_i == float("-inf"), 0.0, w_scale)
     l_i = gl.sum(gl.convert_layout(gl.sum(l_part, 2), ROWL) * w_scale, 0)
     z_i = gl.sum(gl.convert_layout(gl.sum(z_part, 2), ROWL) * w_scale, 0)
@@ -753,56 +614,21 @@ two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on and, for the default
 overrides."""
 
 
-ONE_WARP_REGISTERS = {"turboquant_4bit_nc": {(64, 64, False): 235, (128, 32, False): 196, (64, 64, True): 167,
-                                             (128, 32, True): 158},
-                      "turboquant_k3v4_nc": {(64, 64, False): 244, (128, 32, False): 200, (64, 64, True): 168,
-                                             (128, 32, True): 144},
-                      "turboquant_3bit_nc": {(64, 64, False): 255, (128, 32, False): 208, (64, 64, True): 192,
-                                             (128, 32, True): 152}}
-"""The same for one warp per program (`TQGluonConfig.warps` 1; four or two pages per warp) by (head_dim, tile
-tokens, `smem_ring`); the register pipeline two tiles per iteration for 4bit_nc and k3v4_nc (`--warps 1
-[--smem-ring]`)."""
-
-
-def registers(fmt: str, head_dim: int, cfg) -> int:
-    """Registers per thread of a `TQGluonConfig`: its cap, else the sm_90 compile's (`REGISTERS`,
-    `ONE_WARP_REGISTERS`; 255 where not measured)."""
-    if cfg.maxnreg:
-        return cfg.maxnreg
-    if cfg.warps == 1:
-        return ONE_WARP_REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n, cfg.smem_ring), 255)
-    return 255 if cfg.smem_ring else REGISTERS.get(fmt, {}).get((head_dim, cfg.block_n), 255)
-
-
-def smem_bytes(head_dim: int, fmt: str = "turboquant_4bit_nc", block_n: int = 64, warps: int = 4,
-               ring: bool = False) -> int:
-    """Shared memory of one program: the compiler's scratch for layout conversions (the 4-warp merge; same
-    compile) and, with `TQGluonConfig.smem_ring`, two stages of a tile's words (3-bit keys and values: each
-    plane's words) and its three fp16 fields."""
-    scratch = 128 * head_dim if warps > 1 else 0
-    if not ring:
-        return scratch
-    lay = tq_layout(fmt, head_dim)
-    tokens = block_n
-    key_words = tokens * head_dim * (2 if lay.key_bits == 3 else 4) // 32  # the first key plane's words
-    value_words = tokens * (head_dim // 8 if lay.value_bits == 4 else 8)  # per plane (`value_layout`)
-    planes = 2 if lay.key_bits == 3 else 1, 2 if lay.value_bits == 3 else 1
-    return scratch + 2 * (4 * (key_words * planes[0] + value_words * planes[1]) + 3 * 2 * tokens)
+def smem_bytes(head_dim: int) -> int:
+    """Shared memory of one program (the compiler's scratch for layout conversions; same compile)."""
+    return 128 * head_dim
 
 
 def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
                    sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg) -> torch.Tensor:
     """Run the kernel (and the shared merge when split); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
-    `TQGluonConfig` (warps, block_n, maxnreg, pages_ahead, lazy_max, sum_pages, unroll, smem_ring)."""
+    `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages, unroll)."""
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
     from kvpolicy.kernels.tq_gluon import TQGluonConfig
 
     if fmt not in FORMATS:
         raise ValueError(f"the per-warp kernel decodes {' and '.join(FORMATS)} only, not {fmt}")
-    if cfg.smem_ring and cfg.unroll:
-        raise ValueError("TQGluonConfig: smem_ring reads each tile from shared memory; unroll is for the register "
-                         "pipeline, set one of them")
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = cache.shape[1]
     cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, TQGluonConfig(block_n=64))
@@ -813,10 +639,9 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.warps),
-        SMEM_RING=cfg.smem_ring, UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max,
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1,
-        num_warps=cfg.warps,
+        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages),
+        UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1:
         launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)

@@ -169,25 +169,6 @@ def test_per_warp_unrolled_matches_reference(fmt: str, window, sinks: bool, spli
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
-@pytest.mark.parametrize("window, sinks, splits", CASES)
-@pytest.mark.parametrize("d, hq, block_n, ahead, ring", [(64, 64, 64, 2, True), (128, 32, 32, 2, True),
-                                                         (128, 8, 16, 1, True), (64, 64, 64, 2, False)])
-def test_per_warp_one_warp_programs_match_reference(fmt: str, window, sinks: bool, splits, d: int, hq: int,
-                                                    block_n: int, ahead: int, ring: bool, device: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """One warp per program (`TQGluonConfig.warps` 1: the split merge merges what the 4-warp merge did), with
-    the next tile staged in shared memory (`smem_ring`: two stages that take turns, one page per warp too) or
-    in registers two tiles per iteration; 1025-token sequences end in a partial tile and odd tile counts."""
-    from kvpolicy.kernels import tq_gluon
-
-    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, warps=1, smem_ring=ring, pages_ahead=ahead,
-                                 sum_pages=True, unroll=not ring and fmt != "turboquant_3bit_nc")
-    _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
-
-
-@pytest.mark.gpu
-@hopper_only
 @pytest.mark.parametrize("fmt, d, block_n, sum_pages", [
     ("turboquant_4bit_nc", 128, 64, False), ("turboquant_4bit_nc", 64, 64, False), ("turboquant_3bit_nc", 128, 64, False),
     ("turboquant_4bit_nc", 64, 128, False), ("turboquant_4bit_nc", 64, 256, True), ("turboquant_3bit_nc", 128, 128, True)])

@@ -9,8 +9,6 @@ import pytest
 import torch
 from kvpolicy.kernels.tq_reference import _pack_codes, emulate_ptx
 from kvpolicy.kernels.tq_warp import (
-    field_layout,
-    private_shared,
     dim_of_row,
     key_layout,
     pages_per_warp,
@@ -60,23 +58,22 @@ def test_v_pair_program_pairs_two_tokens_per_register() -> None:
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("ppw", [1, 2, 4])
-@pytest.mark.parametrize("warps", [4, 1])
-def test_values_operand_holds_each_tokens_codes_in_row_order(d: int, ppw: int, warps: int) -> None:
-    """`_values_operand`'s steps on a tile of packed value codes (`warps` warps x `ppw` pages): element [w, m, k]
-    of V_w^T is the warp's token k (tile token 16 ppw w + k) code of dim `dim_of_row(d)[m]`, times 16^u
+def test_values_operand_holds_each_tokens_codes_in_row_order(d: int, ppw: int) -> None:
+    """`_values_operand`'s steps on a tile of packed value codes (4 warps x `ppw` pages): element [w, m, k] of
+    V_w^T is the warp's token k (tile token 16 ppw w + k) code of dim `dim_of_row(d)[m]`, times 16^u
     (u = (m // 8) % 2, the high nibbles)."""
     assert torch.equal(dim_of_row(d).sort().values, torch.arange(d))
-    n = 16 * warps * ppw
+    n = 64 * ppw
     codes = torch.randint(0, 16, (n, d))
     vc = _words(_pack_codes(codes, 4))  # [n, d/8]: the cache's value plane rows
     a, b = vc[0::2], vc[1::2]  # reshape [n/2, 2, d/8], permute, split: tokens 2p and 2p + 1
     regs = emulate_ptx(v_pair_program(), {"$8": a, "$9": b})
 
     h = [_halves(regs[f"${i}"]) for i in range(8)]
-    shape, order = value_axes(d, 4, ppw, warps)
-    y = _join8(h).reshape(shape).permute(order).reshape(warps, d, 16 * ppw)
+    shape, order = value_axes(d, 4, ppw)
+    y = _join8(h).reshape(shape).permute(order).reshape(4, d, 16 * ppw)
     m = torch.arange(d)
-    want = codes.reshape(warps, 16 * ppw, d)[:, :, dim_of_row(d)].permute(0, 2, 1) << (4 * ((m // 8) % 2))[None, :, None]
+    want = codes.reshape(4, 16 * ppw, d)[:, :, dim_of_row(d)].permute(0, 2, 1) << (4 * ((m // 8) % 2))[None, :, None]
     assert torch.equal(y, want)
 
 
@@ -111,14 +108,12 @@ def test_v3_pair_program_places_each_code_at_four_to_the_quarter(d: int) -> None
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("ppw", [1, 2, 4])
-@pytest.mark.parametrize("warps", [4, 1])
-def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int, warps: int) -> None:
-    """`_values_operand3`'s steps on a tile of 3-bit value codes (`warps` warps x `ppw` pages): element [w, m, k]
-    of V_w^T is the warp's token k code of dim `dim_of_row(d, 3)[m]` times 4^s, and `value_unit` undoes that
-    factor."""
+def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int) -> None:
+    """`_values_operand3`'s steps on a tile of 3-bit value codes (4 warps x `ppw` pages): element [w, m, k] of V_w^T
+    is the warp's token k code of dim `dim_of_row(d, 3)[m]` times 4^s, and `value_unit` undoes that factor."""
     rows = dim_of_row(d, 3)
     assert torch.equal(rows.sort().values, torch.arange(d))
-    n = 16 * warps * ppw
+    n = 64 * ppw
     codes = torch.randint(0, 8, (n, d))
     packed = _pack_codes(codes, 3)
     v2, v1 = _load_w3(_words(packed[:, : d // 4]), _words(packed[:, d // 4 :]), d)
@@ -129,9 +124,9 @@ def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int, 
     h = [_halves(regs[f"${i}"]) for i in range(8 * pairs)]
     eight = [_join8(h[i:i + 8]) for i in range(0, 8 * pairs, 8)]
     y = _join(eight[0], eight[1]) if d == 128 else eight[0]
-    shape, order = value_axes(d, 3, ppw, warps)
-    y = y.reshape(shape).permute(order).reshape(warps, d, 16 * ppw)
-    want = codes.reshape(warps, 16 * ppw, d)[:, :, rows].permute(0, 2, 1)
+    shape, order = value_axes(d, 3, ppw)
+    y = y.reshape(shape).permute(order).reshape(4, d, 16 * ppw)
+    want = codes.reshape(4, 16 * ppw, d)[:, :, rows].permute(0, 2, 1)
     scale = (value_unit(d, 3) * 2.0**24).round().to(torch.int64)  # 4^s per row
     assert torch.equal(y, want * scale[None, :, None])
 
@@ -164,18 +159,17 @@ def _tile_coords(layout, words: int) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("key_bytes", [16, 32, 64])
-@pytest.mark.parametrize("ppw", [1, 2, 4])
-@pytest.mark.parametrize("warps", [4, 1])
-def test_key_loads_keep_the_tile_order(key_bytes: int, ppw: int, warps: int) -> None:
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+def test_key_loads_keep_the_tile_order(key_bytes: int, block_n: int) -> None:
     """`key_layout` [w, pg, r8, r, word], reshaped to [BN, words] as `_load_w` does, keeps the tile's token
     order and the ownership `_keys_operand` relabels for free: thread 4 r + q of warp w holds the contiguous
     quarter q of rows r and r + 8 (the mma.sync B operand's column r) of each of its pages, the quarter's words
     innermost in its registers, then row + 8, then the page. A swapped axis or base still computes the right
     answer but adds shuffles that only the GPU bench would see."""
-    assert pages_per_warp(16 * warps * ppw, warps) == ppw
+    ppw = pages_per_warp(block_n)
     words = key_bytes // 4
     cw = words // 4
-    w, lane, reg, token, col = _tile_coords(key_layout(key_bytes, ppw, warps), words)
+    w, lane, reg, token, col = _tile_coords(key_layout(key_bytes, ppw), words)
     assert torch.equal(token // (16 * ppw), w)
     assert torch.equal(token % 8, lane // 4)
     assert torch.equal(col // cw, lane % 4)
@@ -185,16 +179,15 @@ def test_key_loads_keep_the_tile_order(key_bytes: int, ppw: int, warps: int) -> 
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("ppw", [1, 2, 4])
-@pytest.mark.parametrize("warps", [4, 1])
-def test_value_loads_keep_the_tile_order(d: int, ppw: int, warps: int) -> None:
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+def test_value_loads_keep_the_tile_order(d: int, block_n: int) -> None:
     """`value_layout` [w, pg, r8, c, r1, word], reshaped to [BN, words] as `_load_w` does, keeps the tile's
     token order (`_values_operand` pairs tokens 2k, 2k + 1; `value_axes` relabels) and gives thread 4 g + c of
     warp w words [E g, E g + E) of rows 2c, 2c + 1, 8 + 2c, 9 + 2c of each page (E = D/64), the columns of its
     P^T B operand: registers word, then r1, then r8 (so that each row is an immediate offset), then the page."""
-    assert pages_per_warp(16 * warps * ppw, warps) == ppw
+    ppw = pages_per_warp(block_n)
     e = d // 64
-    w, lane, reg, token, col = _tile_coords(value_layout(d, ppw, warps), d // 8)
+    w, lane, reg, token, col = _tile_coords(value_layout(d, ppw), d // 8)
     row = token % 16
     assert torch.equal(token // (16 * ppw), w)
     assert torch.equal((row % 8) // 2, lane % 4)
@@ -203,34 +196,3 @@ def test_value_loads_keep_the_tile_order(d: int, ppw: int, warps: int) -> None:
     assert torch.equal(row % 2, (reg // e) % 2)
     assert torch.equal(row // 8, (reg // (2 * e)) % 2)
     assert torch.equal((token % (16 * ppw)) // 16, reg // (4 * e))
-
-
-def test_pages_per_warp_names_the_tiles_each_warp_count_takes() -> None:
-    """A tile that does not split into whole pages per warp is refused with the sizes that do."""
-    assert [pages_per_warp(n) for n in (64, 128, 256)] == [1, 2, 4]
-    assert [pages_per_warp(n, 1) for n in (16, 32, 64)] == [1, 2, 4]
-    with pytest.raises(ValueError, match="16, 32, 64-token tiles with 1 warps"):
-        pages_per_warp(128, 1)
-    with pytest.raises(ValueError, match="warps: 4 or 1"):
-        pages_per_warp(128, 2)
-
-
-@pytest.mark.parametrize("layout", [key_layout(32, 4, 1), key_layout(64, 2, 4), value_layout(64, 4, 1),
-                                    value_layout(128, 2, 4), field_layout(4, 1), field_layout(1, 4)])
-def test_private_shared_gives_each_thread_its_own_vectors(layout) -> None:
-    """`TQGluonConfig.smem_ring`'s shared layout: the 4 elements of a thread's first two register bits sit at 4
-    consecutive offsets (one LDS), and the lanes' first vectors are consecutive vectors, distinct unless two
-    lanes hold the same elements (the fields' broadcast lanes): no bank conflicts, no lane reads another's."""
-    bases = private_shared(layout).offset_bases
-    idx = torch.arange(1 << len(bases))[:, None]
-    coord_at = torch.zeros(len(idx), len(layout.shape), dtype=torch.int64)
-    for bit, base in enumerate(bases):
-        coord_at ^= (idx >> bit & 1) * torch.tensor(base)
-    offset_of = {tuple(c.tolist()): i for i, c in enumerate(coord_at)}
-    own = _owners(layout)  # [warps, lanes, regs, rank]
-    offs = torch.tensor([[[offset_of[tuple(c.tolist())] for c in lane] for lane in warp] for warp in own])
-    assert torch.equal(offs[:, :, :4] - offs[:, :, :1], torch.arange(4).expand_as(offs[:, :, :4]))
-    for w in range(own.shape[0]):
-        distinct = own[w].reshape(own.shape[1], -1).unique(dim=0).shape[0]
-        firsts = offs[w, :, 0].unique()
-        assert torch.equal(firsts - firsts[0], 4 * torch.arange(distinct))

@@ -47,14 +47,19 @@
 # session 23:
 #   profile23: Nsight Compute profiles of the four-page defaults at 128k with the memory tables: gpt-oss
 #            batch 8 4bit_nc and 3bit_nc, batch 1 4bit_nc, Llama batch 8 3bit_nc.
+#   unroll:  the probe of two tiles per loop iteration against one, both layers, and its GPU tests.
+# session 24 (one warp per program and its shared-memory ring: mode onewarp at eb53980, reverted):
+#   sums:    GPU tests of TQGluonConfig.mma_sums, then its probe against the defaults at 128k, both layers,
+#            batch 8 and 1, one and two tiles per iteration (4bit_nc at head_dim 64 also capped at 168
+#            registers: 3 programs per SM, with spills).
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
   local log=$1 tag=$2; shift 2
   echo "== $tag $*" >> "$out/$log"
-  timeout 120 python3 bench/probe_tq_gluon.py "$@" --out "$out/probe_$tag.json" 2>&1 | grep -v picked >> "$out/$log"
+  timeout "${PROBE_LIMIT:-120}" python3 bench/probe_tq_gluon.py "$@" --out "$out/probe_$tag.json" 2>&1 | grep -v picked >> "$out/$log"
 }
 use_base() {  # the kernel before the change (.ab/tq_warp_base.py, git-ignored: carry it); use_new undoes it
   cp kernels/tq_warp.py "$out/tq_warp_new.py"; cp .ab/tq_warp_base.py kernels/tq_warp.py
@@ -236,6 +241,17 @@ elif [ "$2" = unroll ]; then
   grep -v "^==" "$out/probe_unroll.log" | grep -E "unroll=|us,"
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k unrolled -p no:cacheprovider > "$out/pytest_unroll.log" 2>&1
   tail -3 "$out/pytest_unroll.log"
+elif [ "$2" = sums ]; then
+  timeout 300 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "mma_sums or lone_rising" -p no:cacheprovider \
+    > "$out/pytest_sums.log" 2>&1
+  tail -3 "$out/pytest_sums.log"
+  tq=turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
+  c="--contexts 131072 --batch 8,1 --per-warp 1 --sum-pages 1 --mma-sums 0,1 --unroll 0,1 --split-scale 1"
+  PROBE_LIMIT=150 logged_probe probe_sums.log sums_gptoss --formats $tq --geometries gpt-oss-20b --block-n 256 $c
+  PROBE_LIMIT=150 logged_probe probe_sums.log sums_llama --formats $tq --geometries llama-3.1-8b --block-n 128 $c
+  logged_probe probe_sums.log sums_cap --formats turboquant_4bit_nc --geometries gpt-oss-20b --block-n 256 \
+    --contexts 131072 --batch 8 --per-warp 1 --sum-pages 1 --mma-sums 1 --unroll 1 --maxnreg 168 --split-scale 1
+  grep -v "^==" "$out/probe_sums.log" | grep -E " us |us,"
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--pages-ahead", default="2", help="TQGluonConfig.pages_ahead to try: 1, 2 or 1,2")
     p.add_argument("--sum-pages", default="0", help="TQGluonConfig.sum_pages (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--unroll", default="0", help="TQGluonConfig.unroll (per-warp kernel) to try: 0, 1 or 0,1")
+    p.add_argument("--mma-sums", default="0", help="TQGluonConfig.mma_sums (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--pages", default="random", help="block tables: random, sequential or both (bench_decode.build_case)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -66,16 +67,17 @@ def main() -> None:
                     want = FORMATS[fmt]["decode"](case["caches"][fmt], q, tables[0], sl, case["sinks"]).float()
                     # the Gluon kernel reads the planar layout of the same bytes
                     cache = planar_from_slots(case["caches"][fmt], fmt, geom.head_dim)
-                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll in itertools.product(
+                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll, mma_sums in itertools.product(
                             map(int, args.maxnreg.split(",")), map(int, args.block_n.split(",")),
                             map(int, args.lazy.split(",")), map(int, args.per_warp.split(",")),
                             map(int, args.pages_ahead.split(",")), map(int, args.sum_pages.split(",")),
-                            map(int, args.unroll.split(","))):
-                        if (per_warp and fmt not in tq_warp.FORMATS) or ((sum_pages or unroll) and not per_warp):
+                            map(int, args.unroll.split(",")), map(int, args.mma_sums.split(","))):
+                        if (per_warp and fmt not in tq_warp.FORMATS) or ((sum_pages or unroll or mma_sums)
+                                                                          and not per_warp):
                             continue
                         cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None, lazy_max=bool(lazy),
                                                per_warp=bool(per_warp), pages_ahead=ahead, sum_pages=bool(sum_pages),
-                                               unroll=bool(unroll))
+                                               unroll=bool(unroll), mma_sums=bool(mma_sums))
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev,
                                               waves=())
@@ -94,10 +96,11 @@ def main() -> None:
                             results.append({"geometry": gname, "pages": pages, "batch": batch, "context": ctx, "format": fmt,
                                             "maxnreg": maxnreg, "block_n": block_n, "lazy_max": bool(lazy),
                                             "per_warp": bool(per_warp), "pages_ahead": ahead, "sum_pages": bool(sum_pages),
-                                            "unroll": bool(unroll), "resident": res,
+                                            "unroll": bool(unroll), "mma_sums": bool(mma_sums), "resident": res,
                                             "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
                                             "baselines": base})
-                            print(f"  {fmt}_gl block_n={block_n} lazy={lazy} per_warp={per_warp} ahead={ahead} sum={sum_pages} unroll={unroll} maxnreg={maxnreg} "
+                            print(f"  {fmt}_gl block_n={block_n} lazy={lazy} per_warp={per_warp} ahead={ahead} sum={sum_pages} unroll={unroll} "
+                                  f"mma_sums={mma_sums} maxnreg={maxnreg} "
                                   f"resident={res} "
                                   f"splits={splits}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s; vs Triton "
                                   f"{base[fmt] / us:.2f}x; err vs Triton {err:.1e})", flush=True)

@@ -523,6 +523,10 @@ class TQGluonConfig:
     unroll: bool = False
     """Per-warp kernel: two tiles per loop iteration, their bytes in two register sets that take turns, so that
     no loaded word is copied at the loop's end (`tq_warp._tq_warp_kernel`)."""
+    mma_sums: bool = False
+    """Per-warp kernel: P in fp16 once; P x value scale two tokens per instruction on the fp16 scales as loaded,
+    and each head's softmax sum and sum of P x zero point by one mma.sync per page (`tq_warp._sums_operands`)
+    instead of an add and an FMA per score and a conversion per field."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:

@@ -92,6 +92,40 @@ def field_layout(ppw: int) -> gl.DistributedLinearLayout:
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, ppw, PAGE])
 
 
+def field_word_layout(ppw: int) -> gl.DistributedLinearLayout:
+    """The fp16 fields as 32-bit words of two tokens [warp, page, word] (`TQGluonConfig.mma_sums`): thread c of
+    each lane group holds words c and 4 + c (tokens 2c, 2c + 1 and 8 + 2c, 9 + 2c) of its warp's pages."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 4]] + [[0, 1 << k, 0] for k in range(ppw.bit_length() - 1)],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, ppw, PAGE // 2])
+
+
+def pair_layout(ppw: int) -> gl.DistributedLinearLayout:
+    """`score_layout` with each two tokens 2k, 2k + 1 (one register pair there) as one word [warp, head, word]."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 4]] + [[0, 0, 8 << k] for k in range(ppw.bit_length() - 1)],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, PAGE * ppw // 2])
+
+
+def sums_b_layout(ppw: int) -> gl.DistributedLinearLayout:
+    """The words of the sums MMA's B operand [warp, page pair, page bit, word c, column] (`_sums_operands`):
+    thread (g, c) holds column g of tokens 2c, 2c + 1 of each page, the mma.sync B operand's register order
+    (k + 8: the page bit, k + 16: the page pair)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1, 0, 0]] + [[0, 1 << k, 0, 0, 0] for k in range((ppw // 2).bit_length() - 1)],
+        lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4]],
+        warp_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], block_bases=[], shape=[4, ppw // 2, 2, 4, 8])
+
+
+_PACK_ASM = gl.constexpr("cvt.rn.f16x2.f32 $0, $2, $1;")
+"""Two fp32 -> one word of fp16 (the first in the low half)."""
+_HMUL2_ASM = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
+_SUMS_B_ASM = gl.constexpr("{\n.reg .b32 t;\nlop3.b32 t, $1, $3, $5, 0xEA;\nlop3.b32 $0, $2, $4, t, 0xEA;\n}")
+"""(lo & $3) | (hi & $4) | $5: a B word of the sums MMA from the two zero-point words and the thread's masks."""
+
+
 def v_pair_program() -> list:
     """Two tokens' value words $8 (token a), $9 (token b) (byte j: dims j (low nibble) and D/2 + j (high)) ->
     8 words of fp16 subnormal pairs (token a low half, token b high half), 16^u x code x 2^-24: output
@@ -206,7 +240,8 @@ def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...
     return (4, ppw, 2, 4, 8, 2, 2, 2, 2), (0, 7, 6, 8, 4, 1, 2, 3, 5)
 
 
-def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, sum_pages: bool = False) -> dict:
+def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, sum_pages: bool = False,
+            mma_sums: bool = False) -> dict:
     """The kernel's tile constexprs: BN (the kernel derives the pages per warp from it), the score, field and
     load layouts (3-bit values are 8 words per token, one per thread g, at any head_dim: `_load_w`), the value
     operand's relabelling, and SUM_PAGES: `TQGluonConfig.sum_pages` where there is more than one page per warp
@@ -215,7 +250,8 @@ def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, s
     v_shape, v_order = value_axes(head_dim, value_bits, ppw)
     return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout(key_bytes, ppw),
                 V_LAYOUT=value_layout(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order,
-                SUM_PAGES=sum_pages and ppw > 1)
+                SUM_PAGES=sum_pages and ppw > 1 and not mma_sums, MMA_SUMS=mma_sums, FW=field_word_layout(ppw),
+                XP=pair_layout(ppw), SB=sums_b_layout(ppw) if ppw > 1 else None)
 
 
 def dim_of_row(head_dim: int, value_bits: int = 4) -> torch.Tensor:
@@ -327,11 +363,14 @@ def _pages_w(bt_row, tile, seq_len, PPW: gl.constexpr, FL: gl.constexpr):
 def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
             VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr,
-            FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
+            FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, MMA_SUMS: gl.constexpr,
+            FW: gl.constexpr, XP: gl.constexpr):
     """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (`key_layout`
     flattened; 3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words
     (4-bit: [BN, D/8], `value_layout`; 3-bit: [BN, 8], a word of the 2-bit plane and one of the 1-bit plane per
-    thread and token, else 0), the fp16 fields [4, BN/4] in the score columns' layout."""
+    thread and token, else 0), the fp16 fields [4, BN/4] in fp32 in the score columns' layout (MMA_SUMS: the
+    words of two tokens [4, BN/8] as loaded, in `pair_layout`'s columns: carried through the loop as words,
+    they need no repacking for the f16x2 instructions)."""
     base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
     # keys: rows r, r + 8 of each of the warp's pages, a quarter row per thread. Each address adds the lane's
     # part (row r, word) first and the register's constant (row + 8) last: with the row as one index LLVM
@@ -375,11 +414,19 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
         vh = gl.reshape(vh, [BN, 8])
 
     # fields of the tokens in the score's columns (planes of 16 halves per page)
-    tk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, FL)))
-    f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, :, None] + tk[None, None, :]
-    knorm = _field(f, BN, XL)
-    vscale = _field(f + 16 * (NF - 2), BN, XL)
-    vzero = _field(f + 16 * (NF - 1), BN, XL)
+    if MMA_SUMS:
+        tw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, FW)))
+        fw = cache32_ptr + (gl.convert_layout(base, gl.SliceLayout(2, FW)) + 4 * (KB + VB))[:, :, None] + tw[None, None, :]
+        wl: gl.constexpr = gl.SliceLayout(1, XP)
+        knorm = gl.convert_layout(gl.reshape(gl.load(fw), [4, BN // 8]), wl)
+        vscale = gl.convert_layout(gl.reshape(gl.load(fw + 8 * (NF - 2)), [4, BN // 8]), wl)
+        vzero = gl.convert_layout(gl.reshape(gl.load(fw + 8 * (NF - 1)), [4, BN // 8]), wl)
+    else:
+        tk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, FL)))
+        f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, :, None] + tk[None, None, :]
+        knorm = _field(f, BN, XL)
+        vscale = _field(f + 16 * (NF - 2), BN, XL)
+        vzero = _field(f + 16 * (NF - 1), BN, XL)
     return kc, ks, vc, vh, knorm, vscale, vzero
 
 
@@ -391,14 +438,74 @@ def _field(f, BN: gl.constexpr, XL: gl.constexpr):
 
 
 @gluon.jit
+def _lo_hi(w):
+    """Words of two fp16 -> (low halves, high halves) in fp16."""
+    return ((w & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True),
+            (w >> 16).to(gl.int16).to(gl.float16, bitcast=True))
+
+
+@gluon.jit
+def _word_halves(w):
+    """Words of two fp16 -> fp16 [..., 2] (the low half first; a reshape that merges the new axis into the last
+    one gives an operand layout that pairs them again in one register)."""
+    lo, hi = _lo_hi(w)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _sums_operands(pw, zw, BN: gl.constexpr, SB: gl.constexpr):
+    """`TQGluonConfig.mma_sums`: the mma.sync operands of C = A B whose column 0 is each head's softmax sum and
+    columns 1 and 2 its sums of P x zero point (tokens 0-7 and 8-15 of each page). A [4, 16, BN/8]: row
+    8 h8 + h, column 8 pg + j = P of head h at token 16 pg + 8 h8 + j (each thread's own P words `pw`, rows
+    8-15 the second half of each page, so no row is zero); B [4, BN/8, 8]: column 0 all 1, column 1 (2) the
+    zero point of the token of row k in rows 0-7 (8-15), the rest 0, each word one pair of `lop3` from the
+    zero-point words `zw` [4, BN/8] as loaded. (K = BN/8: each page's two halves are two rows.)"""
+    PP: gl.constexpr = BN // 128  # page pairs per warp
+    # P words [4, 8, BN/8] -> [w, h, pp, pb, h8, c] -> A [w, 8 h8 + h, 16 pp + 8 pb + 2 c + j1]
+    p6 = gl.reshape(pw, [4, 8, PP, 2, 2, 4])
+    a = gl.reshape(_word_halves(gl.permute(p6, (0, 4, 1, 2, 3, 5))), [4, 16, BN // 8])
+    # zero-point words [4, BN/8] -> [w, pp, pb, c, h8] -> the low and high halves of each page
+    z5 = gl.permute(gl.reshape(zw, [4, PP, 2, 2, 4]), (0, 1, 2, 4, 3))
+    zlo, zhi = gl.split(z5)
+    cl: gl.constexpr = sliced(SB, (4,), 5)
+    col = gl.arange(0, 8, layout=cl)[None, None, None, None, :]
+    m1 = gl.where(col == 1, -1, 0)
+    m2 = gl.where(col == 2, -1, 0)
+    one = gl.where(col == 0, 0x3C003C00, 0)
+    zl: gl.constexpr = gl.SliceLayout(4, SB)
+    b = gl.inline_asm_elementwise(_SUMS_B_ASM, "=r,r,r,r,r,r",
+                                  [gl.convert_layout(zlo, zl)[:, :, :, :, None],
+                                   gl.convert_layout(zhi, zl)[:, :, :, :, None], m1, m2, one],
+                                  dtype=gl.int32, is_pure=True, pack=1)
+    # [w, pp, pb, c, col] words -> [w, pp, pb, c, j1, col] halves -> B [w, 16 pp + 8 pb + 2 c + j1, col]
+    lo, hi = _lo_hi(b)
+    b = gl.reshape(gl.permute(gl.join(lo, hi), (0, 1, 2, 3, 5, 4)), [4, BN // 8, 8])
+    return gl.convert_layout(a, VA), gl.convert_layout(b, PB)
+
+
+@gluon.jit
 def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
           LAZY: gl.constexpr, EDGE: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr,
-          V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr):
+          V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr, MMA_SUMS: gl.constexpr, XP: gl.constexpr,
+          SB: gl.constexpr):
     """One tile, each warp its BN/4 tokens: S_w, online softmax (exact or lazy max), O_w^T += V_w^T P_w^T.
     EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
-    path). The tile's bytes come from `_load_w`, issued one tile ahead."""
+    path). The tile's bytes come from `_load_w`, issued one tile ahead. MMA_SUMS: the fields are words of
+    two tokens, l_part the sums' accumulator [4, 16, 8] (`_sums_operands`; z_part unused)."""
     tl: gl.constexpr = gl.SliceLayout(1, XL)
+    if MMA_SUMS:
+        wl: gl.constexpr = gl.SliceLayout(1, XP)
+        if EDGE:
+            # each half of a word masked on its own token
+            wpos = (tile * BN + gl.arange(0, 4, layout=gl.SliceLayout(1, wl))[:, None] * (BN // 4)
+                    + 2 * gl.arange(0, BN // 8, layout=gl.SliceLayout(0, wl))[None, :])
+            keep = (gl.where((wpos < seq_len) & (wpos >= start), 0xFFFF, 0)
+                    | gl.where((wpos + 1 < seq_len) & (wpos + 1 >= start), -65536, 0))
+            vscale = vscale & keep
+            vzero = vzero & keep
+        klo, khi = _lo_hi(knorm)
+        knorm = gl.convert_layout(gl.reshape(gl.join(klo.to(gl.float32), khi.to(gl.float32)), [4, BN // 4]), tl)
     s = mma_v2(q3, _keys_operand(kc, ks, table, BN, KBM, HEAD_DIM, KEY_BITS), gl.zeros([4, 16, BN // 4], gl.int32, MMA))
     # rows h (hi bytes) and 8 + h (lo bytes) are in the same thread
     hi, lo = gl.split(gl.permute(gl.reshape(s, [4, 2, 8, BN // 4]), (0, 2, 3, 1)))
@@ -409,8 +516,9 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                + gl.arange(0, BN // 4, layout=gl.SliceLayout(0, tl))[None, :])
         ok = (pos < seq_len) & (pos >= start)
         knorm = gl.where(ok, knorm, 0.0)
-        vscale = gl.where(ok, vscale, 0.0)
-        vzero = gl.where(ok, vzero, 0.0)
+        if not MMA_SUMS:
+            vscale = gl.where(ok, vscale, 0.0)
+            vzero = gl.where(ok, vzero, 0.0)
     x = (x + qc[None, :, None]) * (qf[None, :, None] * knorm[:, None, :])
     if EDGE:
         x = gl.where(ok[:, None, :], x, float("-inf"))
@@ -425,7 +533,19 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)  # exactly 1 where the max stayed (ex2 of 0): the rescale below is skipped
     p = gl.exp2(x - m_use[:, :, None])
-    if SUM_PAGES:
+    if MMA_SUMS:
+        # P as fp16 words of two tokens once: P x scale two tokens per instruction on the scale words as loaded,
+        # and the sums by mma.sync (one per two pages) instead of an add and an FMA per score
+        pe, po = gl.split(gl.reshape(p, [4, 8, BN // 8, 2]))
+        pw = gl.inline_asm_elementwise(_PACK_ASM, "=r,r,r", [gl.convert_layout(pe, XP), gl.convert_layout(po, XP)],
+                                       dtype=gl.int32, is_pure=True, pack=1)
+        pbw = gl.inline_asm_elementwise(_HMUL2_ASM, "=r,r,r", [pw, vscale[:, None, :]], dtype=gl.int32,
+                                        is_pure=True, pack=1)
+        pb = gl.convert_layout(gl.permute(gl.reshape(_word_halves(pbw), [4, 8, BN // 4]), (0, 2, 1)), PB)
+        sa, sb = _sums_operands(pw, vzero, BN, SB)
+        a16 = gl.reshape(gl.permute(gl.join(alpha, alpha), (0, 2, 1)), [4, 16])  # row 8 h8 + h: head h
+        l_part = mma_v2(sa, sb, l_part * gl.convert_layout(a16, gl.SliceLayout(2, MMA))[:, :, None])
+    elif SUM_PAGES:
         # the tile's pages added in-thread first (register bits of the score layout): sums of one page's shape
         a1 = gl.convert_layout(alpha, gl.SliceLayout(2, SUM_LAYOUT))[:, :, None]
         l_part = l_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p, [4, 8, BN // 64, 16]), 2), SUM_LAYOUT)
@@ -434,7 +554,8 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     else:
         l_part = l_part * alpha[:, :, None] + p
         z_part = z_part * alpha[:, :, None] + p * vzero[:, None, :]
-    pb = gl.convert_layout(gl.permute((p * vscale[:, None, :]).to(gl.float16), (0, 2, 1)), PB)
+    if not MMA_SUMS:
+        pb = gl.convert_layout(gl.permute((p * vscale[:, None, :]).to(gl.float16), (0, 2, 1)), PB)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
     if LAZY:
         # O^T is HEAD_DIM / 4 registers per thread; the common tile keeps its max and skips their FMULs
@@ -457,16 +578,16 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
 def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
           LAZY: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr,
-          SUM_PAGES: gl.constexpr):
+          SUM_PAGES: gl.constexpr, MMA_SUMS: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr):
     """`_tile`, the masked copy only for a tile that reaches outside [start, seq_len)."""
     if (tile * BN < start) | (tile * BN + BN > seq_len):
         m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
                                          qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY, True,
-                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
     else:
         m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
                                          qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY, False,
-                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
     return m_i, l_part, z_part, acc
 
 
@@ -480,6 +601,7 @@ def _tq_warp_kernel(
     VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
     BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
+    MMA_SUMS: gl.constexpr, FW: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr,
     UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
@@ -514,18 +636,22 @@ def _tq_warp_kernel(
 
     m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
     # per-thread softmax sums (and of P x zero point)
-    if SUM_PAGES:
+    if MMA_SUMS:
+        l_part = gl.zeros([4, 16, 8], gl.float32, layout=MMA)  # `_sums_operands`' C
+        z_part = gl.zeros([4, 8], gl.float32, layout=ROWL)  # unused
+    elif SUM_PAGES:
         l_part = gl.zeros([4, 8, 16], gl.float32, layout=SUM_LAYOUT)
+        z_part = gl.zeros_like(l_part)
     else:
         l_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
-    z_part = gl.zeros_like(l_part)
+        z_part = gl.zeros_like(l_part)
     acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
     # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
     # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
     # (NOTES_TQ.md, tenth session).
     kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL),
                                                    kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
+                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
     # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
     table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
     pw = _pages_w(bt_row, tile_lo + 1, seq_len, PPW, FL)
@@ -538,35 +664,35 @@ def _tq_warp_kernel(
                 pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
             bkc, bks, bvc, bvh, bknorm, bvscale, bvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
                                                                   HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
+                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
             if PAGES_AHEAD == 2:
                 pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
             m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY,
-                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
             if PAGES_AHEAD == 1:
                 pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
             kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
                                                            SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, BN, PPW,
-                                                           XL, FL, K_LAYOUT, V_LAYOUT)
+                                                           XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
             if PAGES_AHEAD == 2:
                 pw = _pages_w(bt_row, tile + 3, seq_len, PPW, FL)
             if tile + 1 < tile_hi:
                 m_i, l_part, z_part, acc = _step(bkc, bks, bvc, bvh, bknorm, bvscale, bvzero, tile + 1, seq_len,
                                                  start, table, q3, qf, qc, m_i, l_part, z_part, acc, HEAD_DIM,
-                                                 KEY_BITS, V_BITS, KBM, LAZY, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+                                                 KEY_BITS, V_BITS, KBM, LAZY, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
     else:
         for tile in range(tile_lo, tile_hi):
             if PAGES_AHEAD == 1:
                 pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
             nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
                                                                   HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT)
+                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
             if PAGES_AHEAD == 2:
                 pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
             m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                              qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY,
-                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES)
+                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
             kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
     # merge the 4 warps: each its own max, sums and O^T
@@ -574,8 +700,18 @@ def _tq_warp_kernel(
     m_use = gl.where(m_f == float("-inf"), 0.0, m_f)
     w_scale = gl.exp2(m_i - m_use[None, :])  # [4, 8]; 0 for a warp that saw nothing
     w_scale = gl.where(m_i == float("-inf"), 0.0, w_scale)
-    l_i = gl.sum(gl.convert_layout(gl.sum(l_part, 2), ROWL) * w_scale, 0)
-    z_i = gl.sum(gl.convert_layout(gl.sum(z_part, 2), ROWL) * w_scale, 0)
+    if MMA_SUMS:
+        # C [w, 8 h8 + h, col]: the softmax sum is column 0 of both row halves, P x zero column 1 + h8
+        c4 = gl.reshape(l_part, [4, 2, 8, 8])
+        h8 = gl.arange(0, 2, layout=sliced(c4.type.layout, (1,), 4))[None, :, None, None]
+        col = gl.arange(0, 8, layout=sliced(c4.type.layout, (3,), 4))[None, None, None, :]
+        l_w = gl.convert_layout(gl.sum(gl.sum(gl.where(col == 0, c4, 0.0), 3), 1), ROWL)
+        z_w = gl.convert_layout(gl.sum(gl.sum(gl.where(col == 1 + h8, c4, 0.0), 3), 1), ROWL)
+    else:
+        l_w = gl.convert_layout(gl.sum(l_part, 2), ROWL)
+        z_w = gl.convert_layout(gl.sum(z_part, 2), ROWL)
+    l_i = gl.sum(l_w * w_scale, 0)
+    z_i = gl.sum(z_w * w_scale, 0)
     ws = gl.convert_layout(w_scale, gl.SliceLayout(1, MMA))
     o = gl.sum(acc * ws[:, None, :], 0)  # [D, 8]
     out_l: gl.constexpr = gl.SliceLayout(0, MMA)
@@ -629,6 +765,8 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
 
     if fmt not in FORMATS:
         raise ValueError(f"the per-warp kernel decodes {' and '.join(FORMATS)} only, not {fmt}")
+    if cfg.mma_sums and pages_per_warp(cfg.block_n) < 2:
+        raise ValueError(f"TQGluonConfig.mma_sums takes two or four pages per warp (block_n 128 or 256), got {cfg}")
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = cache.shape[1]
     cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, TQGluonConfig(block_n=64))
@@ -639,7 +777,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
         block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages),
+        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))

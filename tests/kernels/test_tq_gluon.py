@@ -169,21 +169,44 @@ def test_per_warp_unrolled_matches_reference(fmt: str, window, sinks: bool, spli
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt, d, block_n, sum_pages", [
-    ("turboquant_4bit_nc", 128, 64, False), ("turboquant_4bit_nc", 64, 64, False), ("turboquant_3bit_nc", 128, 64, False),
-    ("turboquant_4bit_nc", 64, 128, False), ("turboquant_4bit_nc", 64, 256, True), ("turboquant_3bit_nc", 128, 128, True)])
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("window, sinks, splits", CASES)
+@pytest.mark.parametrize("d, hq, block_n, ahead, unroll", [(64, 64, 256, 2, True), (64, 64, 256, 2, False),
+                                                           (128, 32, 128, 2, True), (128, 8, 128, 1, False)])
+def test_per_warp_mma_sums_match_reference(fmt: str, window, sinks: bool, splits, d: int, hq: int, block_n: int,
+                                           ahead: int, unroll: bool, device: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The softmax sums and the sums of P x zero point by mma.sync, P x scale in f16x2 on the fields as loaded
+    (`TQGluonConfig.mma_sums`): partial tiles mask each half of a field word on its own token (stale slots hold
+    NaN scales and zero points), GQA 8, 4 and 1, one or two tiles per iteration."""
+    from kvpolicy.kernels import tq_gluon
+
+    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, pages_ahead=ahead, sum_pages=True, unroll=unroll,
+                                 mma_sums=True)
+    _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("fmt, d, block_n, sum_pages, mma_sums", [
+    ("turboquant_4bit_nc", 128, 64, False, False), ("turboquant_4bit_nc", 64, 64, False, False),
+    ("turboquant_3bit_nc", 128, 64, False, False), ("turboquant_4bit_nc", 64, 128, False, False),
+    ("turboquant_4bit_nc", 64, 256, True, False), ("turboquant_3bit_nc", 128, 128, True, False),
+    ("turboquant_4bit_nc", 64, 256, True, True), ("turboquant_3bit_nc", 128, 128, True, True)])
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("head", [0, 1, 6])
-def test_per_warp_lazy_max_rescales_a_lone_rising_head(fmt: str, d: int, block_n: int, sum_pages: bool, lazy: bool,
-                                                       head: int, device: str,
+def test_per_warp_lazy_max_rescales_a_lone_rising_head(fmt: str, d: int, block_n: int, sum_pages: bool,
+                                                       mma_sums: bool, lazy: bool, head: int, device: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """GQA 8, and only head `head` of each group sees its scores rise along the sequence (the others fall): a
     warp skips its O^T rescale only when no head's reference max moved (`tq_warp.rescale_ptx`'s vote over each
     thread's two heads), so that head's output still matches the float64 reference, with splits and without,
-    whichever accumulator column it sits in."""
+    whichever accumulator column it sits in (with `mma_sums`, the sums' accumulator row of the head is rescaled
+    too)."""
     from kvpolicy.kernels import tq_gluon
 
-    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, lazy_max=lazy, sum_pages=sum_pages)
+    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, lazy_max=lazy, sum_pages=sum_pages,
+                                 mma_sums=mma_sums)
     monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: cfg)
     for splits in (1, 3):
         out, ref, _ = run_planar(fmt, device, bsz=2, hq=64, hkv=8, d=d, seq=(1025, 700), splits=splits,

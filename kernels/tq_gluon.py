@@ -561,6 +561,12 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       180.7 / 176.7, k3v4_nc 185.1 / 180.8; Llama layer 302.9 / 295.8 and 282.5 / 275.2; batch 1 Llama
       51.9 / 49.4 and 47.4 / 46.9, gpt-oss 32.5 / 33.1 and 33.7 / 35.0. 3bit_nc keeps one (gpt-oss 208.5 /
       215.2 at batch 8, Llama 290.5 / 287.6, batch 1 36.6 / 38.7 and 47.1 / 48.9).
+    - The sums by mma.sync and P x scale in f16x2 (`mma_sums`; sixteenth session, `bench/results_tq_warp_sums/`,
+      128k, us, the defaults before / with it): 4bit_nc on both layers (gpt-oss batch 8 175.5 / 171.0, batch 1
+      33.6 / 31.7; Llama 294.6 / 291.6, 49.3 / 49.6), k3v4_nc and 3bit_nc at head_dim 128 (Llama k3v4_nc
+      269.8 / 266.1; 3bit_nc, which then also takes two tiles per iteration, 290.5 / 274.8, batch 1 48.0 /
+      47.4). At head_dim 64 those two measured slower with it (gpt-oss k3v4_nc 180.0 / 187.2, 3bit_nc 210.7 /
+      224.3), though it takes 55-62 instructions per tile off both (ptxas schedules them worse).
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
       for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
       128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
@@ -568,7 +574,8 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
 
     if fmt in tq_warp.FORMATS:
         return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True,
-                             unroll=fmt != "turboquant_3bit_nc")
+                             unroll=fmt != "turboquant_3bit_nc" or head_dim == 128,
+                             mma_sums=fmt == "turboquant_4bit_nc" or head_dim == 128)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)

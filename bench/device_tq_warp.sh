@@ -52,8 +52,10 @@
 #   sums:    GPU tests of TQGluonConfig.mma_sums, then its probe against the defaults at 128k, both layers,
 #            batch 8 and 1, one and two tiles per iteration (4bit_nc at head_dim 64 also capped at 168
 #            registers: 3 programs per SM, with spills).
+#   b1curve: gpt-oss batch 1 4bit_nc (the default) at 8k-128k with the default splits and half of them,
+#            beside cuDNN: where the time per token changes.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -252,6 +254,11 @@ elif [ "$2" = sums ]; then
   logged_probe probe_sums.log sums_cap --formats turboquant_4bit_nc --geometries gpt-oss-20b --block-n 256 \
     --contexts 131072 --batch 8 --per-warp 1 --sum-pages 1 --mma-sums 1 --unroll 1 --maxnreg 168 --split-scale 1
   grep -v "^==" "$out/probe_sums.log" | grep -E " us |us,"
+elif [ "$2" = b1curve ]; then
+  PROBE_LIMIT=200 logged_probe probe_b1curve.log b1curve --formats turboquant_4bit_nc --geometries gpt-oss-20b \
+    --batch 1 --contexts 8192,16384,32768,65536,98304,131072 --block-n 256 --per-warp 1 --sum-pages 1 \
+    --unroll 1 --mma-sums 1 --split-scale 0.5,1
+  grep -v "^==" "$out/probe_b1curve.log" | grep -E " us |us,"
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

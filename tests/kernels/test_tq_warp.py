@@ -196,3 +196,18 @@ def test_value_loads_keep_the_tile_order(d: int, block_n: int) -> None:
     assert torch.equal(row % 2, (reg // e) % 2)
     assert torch.equal(row // 8, (reg // (2 * e)) % 2)
     assert torch.equal((token % (16 * ppw)) // 16, reg // (4 * e))
+
+
+def test_mma_sums_refuses_one_page_per_warp() -> None:
+    """`TQGluonConfig.mma_sums` pairs a warp's pages (a page's two halves are the sums MMA's two row blocks, two
+    pages its 16 columns), so a 64-token tile (one page per warp) is refused with the tiles that work, before
+    anything is launched."""
+    from kvpolicy.kernels.tq_gluon import TQGluonConfig
+    from kvpolicy.kernels.tq_warp import decode_tq_warp
+
+    q = torch.zeros(1, 8, 64)
+    cfg = TQGluonConfig(block_n=64, per_warp=True, mma_sums=True)
+    with pytest.raises(ValueError, match="block_n 128 or 256"):
+        decode_tq_warp(q, q, 1.0, torch.zeros(1, 1, 16, dtype=torch.uint8), "turboquant_4bit_nc",
+                       torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), sliding_window=None,
+                       sinks=None, splits=1, out=torch.zeros_like(q), cfg=cfg)

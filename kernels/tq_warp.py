@@ -419,7 +419,8 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     # fields of the tokens in the score's columns (planes of 16 halves per page)
     if MMA_SUMS:
         tw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, FW)))
-        fw = cache32_ptr + (gl.convert_layout(base, gl.SliceLayout(2, FW)) + 4 * (KB + VB))[:, :, None] + tw[None, None, :]
+        wb = gl.convert_layout(base, gl.SliceLayout(2, FW)) + 4 * (KB + VB)  # the knorm plane's first word
+        fw = cache32_ptr + wb[:, :, None] + tw[None, None, :]
         wl: gl.constexpr = gl.SliceLayout(1, XP)
         knorm = gl.convert_layout(gl.reshape(gl.load(fw), [4, BN // 8]), wl)
         vscale = gl.convert_layout(gl.reshape(gl.load(fw + 8 * (NF - 2)), [4, BN // 8]), wl)
@@ -441,21 +442,6 @@ def _field(f, BN: gl.constexpr, XL: gl.constexpr):
 
 
 @gluon.jit
-def _lo_hi(w):
-    """Words of two fp16 -> (low halves, high halves) in fp16."""
-    return ((w & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True),
-            (w >> 16).to(gl.int16).to(gl.float16, bitcast=True))
-
-
-@gluon.jit
-def _word_halves(w):
-    """Words of two fp16 -> fp16 [..., 2] (the low half first; a reshape that merges the new axis into the last
-    one gives an operand layout that pairs them again in one register)."""
-    lo, hi = _lo_hi(w)
-    return gl.join(lo, hi)
-
-
-@gluon.jit
 def _sums_operands(pw, zw, BN: gl.constexpr, SB: gl.constexpr):
     """`TQGluonConfig.mma_sums`: the mma.sync operands of C = A B whose column 0 is each head's softmax sum and
     columns 1 and 2 its sums of P x zero point (tokens 0-7 and 8-15 of each page). A [4, 16, BN/8]: row
@@ -466,7 +452,7 @@ def _sums_operands(pw, zw, BN: gl.constexpr, SB: gl.constexpr):
     PP: gl.constexpr = BN // 128  # page pairs per warp
     # P words [4, 8, BN/8] -> [w, h, pp, pb, h8, c] -> A [w, 8 h8 + h, 16 pp + 8 pb + 2 c + j1]
     p6 = gl.reshape(pw, [4, 8, PP, 2, 2, 4])
-    a = gl.reshape(_word_halves(gl.permute(p6, (0, 4, 1, 2, 3, 5))), [4, 16, BN // 8])
+    a = gl.reshape(_halves(gl.permute(p6, (0, 4, 1, 2, 3, 5))), [4, 16, BN // 8])
     # zero-point words [4, BN/8] -> [w, pp, pb, c, h8] -> the low and high halves of each page
     z5 = gl.permute(gl.reshape(zw, [4, PP, 2, 2, 4]), (0, 1, 2, 4, 3))
     zlo, zhi = gl.split(z5)
@@ -481,8 +467,7 @@ def _sums_operands(pw, zw, BN: gl.constexpr, SB: gl.constexpr):
                                    gl.convert_layout(zhi, zl)[:, :, :, :, None], m1, m2, one],
                                   dtype=gl.int32, is_pure=True, pack=1)
     # [w, pp, pb, c, col] words -> [w, pp, pb, c, j1, col] halves -> B [w, 16 pp + 8 pb + 2 c + j1, col]
-    lo, hi = _lo_hi(b)
-    b = gl.reshape(gl.permute(gl.join(lo, hi), (0, 1, 2, 3, 5, 4)), [4, BN // 8, 8])
+    b = gl.reshape(gl.permute(_halves(b), (0, 1, 2, 3, 5, 4)), [4, BN // 8, 8])
     return gl.convert_layout(a, VA), gl.convert_layout(b, PB)
 
 
@@ -507,8 +492,7 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                     | gl.where((wpos + 1 < seq_len) & (wpos + 1 >= start), -65536, 0))
             vscale = vscale & keep
             vzero = vzero & keep
-        klo, khi = _lo_hi(knorm)
-        knorm = gl.convert_layout(gl.reshape(gl.join(klo.to(gl.float32), khi.to(gl.float32)), [4, BN // 4]), tl)
+        knorm = gl.convert_layout(gl.reshape(_halves(knorm).to(gl.float32), [4, BN // 4]), tl)
     s = mma_v2(q3, _keys_operand(kc, ks, table, BN, KBM, HEAD_DIM, KEY_BITS), gl.zeros([4, 16, BN // 4], gl.int32, MMA))
     # rows h (hi bytes) and 8 + h (lo bytes) are in the same thread
     hi, lo = gl.split(gl.permute(gl.reshape(s, [4, 2, 8, BN // 4]), (0, 2, 3, 1)))
@@ -544,7 +528,7 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                                        dtype=gl.int32, is_pure=True, pack=1)
         pbw = gl.inline_asm_elementwise(_HMUL2_ASM, "=r,r,r", [pw, vscale[:, None, :]], dtype=gl.int32,
                                         is_pure=True, pack=1)
-        pb = gl.convert_layout(gl.permute(gl.reshape(_word_halves(pbw), [4, 8, BN // 4]), (0, 2, 1)), PB)
+        pb = gl.convert_layout(gl.permute(gl.reshape(_halves(pbw), [4, 8, BN // 4]), (0, 2, 1)), PB)
         sa, sb = _sums_operands(pw, vzero, BN, SB)
         a16 = gl.reshape(gl.permute(gl.join(alpha, alpha), (0, 2, 1)), [4, 16])  # row 8 h8 + h: head h
         l_part = mma_v2(sa, sb, l_part * gl.convert_layout(a16, gl.SliceLayout(2, MMA))[:, :, None])
@@ -667,7 +651,8 @@ def _tq_warp_kernel(
                 pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
             bkc, bks, bvc, bvh, bknorm, bvscale, bvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
                                                                   HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
+                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT,
+                                                                  MMA_SUMS, FW, XP)
             if PAGES_AHEAD == 2:
                 pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
             m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
@@ -683,14 +668,16 @@ def _tq_warp_kernel(
             if tile + 1 < tile_hi:
                 m_i, l_part, z_part, acc = _step(bkc, bks, bvc, bvh, bknorm, bvscale, bvzero, tile + 1, seq_len,
                                                  start, table, q3, qf, qc, m_i, l_part, z_part, acc, HEAD_DIM,
-                                                 KEY_BITS, V_BITS, KBM, LAZY, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
+                                                 KEY_BITS, V_BITS, KBM, LAZY, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES,
+                                                 MMA_SUMS, XP, SB)
     else:
         for tile in range(tile_lo, tile_hi):
             if PAGES_AHEAD == 1:
                 pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
             nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
                                                                   HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
+                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT,
+                                                                  MMA_SUMS, FW, XP)
             if PAGES_AHEAD == 2:
                 pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
             m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,

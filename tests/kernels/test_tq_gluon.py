@@ -154,35 +154,23 @@ def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, sp
 @hopper_only
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("window, sinks, splits", CASES)
-@pytest.mark.parametrize("d, hq, block_n, ahead", [(64, 64, 256, 2), (128, 32, 128, 2), (128, 8, 64, 1)])
-def test_per_warp_unrolled_matches_reference(fmt: str, window, sinks: bool, splits, d: int, hq: int, block_n: int,
-                                             ahead: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two tiles per loop iteration (`TQGluonConfig.unroll`, the default of 4bit_nc and k3v4_nc): the register
-    sets take turns, and where a split has an odd number of tiles (1025 tokens are 5 tiles of 256, 9 of 128)
-    its last iteration computes one tile only; the block table one or two tiles ahead."""
+@pytest.mark.parametrize("d, hq, block_n, ahead, unroll, mma_sums", [
+    (64, 64, 256, 2, True, False), (128, 32, 128, 2, True, False), (128, 8, 64, 1, True, False),
+    (64, 64, 256, 2, True, True), (64, 64, 256, 2, False, True), (128, 32, 128, 2, True, True),
+    (128, 8, 128, 1, False, True)])
+def test_per_warp_unrolled_and_mma_sums_match_reference(fmt: str, window, sinks: bool, splits, d: int, hq: int,
+                                                        block_n: int, ahead: int, unroll: bool, mma_sums: bool,
+                                                        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tiles per loop iteration (`TQGluonConfig.unroll`): the register sets take turns, and where a split has
+    an odd number of tiles (1025 tokens are 5 tiles of 256, 9 of 128) its last iteration computes one tile
+    only; the block table one or two tiles ahead. The softmax sums and the sums of P x zero point by mma.sync,
+    P x scale in f16x2 on the fields as loaded (`TQGluonConfig.mma_sums`), with one or two tiles per
+    iteration: partial tiles mask each half of a field word on its own token (stale slots hold NaN scales and
+    zero points), GQA 8, 4 and 1."""
     from kvpolicy.kernels import tq_gluon
 
     cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, pages_ahead=ahead, sum_pages=block_n > 64,
-                                 unroll=True)
-    _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
-
-
-@pytest.mark.gpu
-@hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
-@pytest.mark.parametrize("window, sinks, splits", CASES)
-@pytest.mark.parametrize("d, hq, block_n, ahead, unroll", [(64, 64, 256, 2, True), (64, 64, 256, 2, False),
-                                                           (128, 32, 128, 2, True), (128, 8, 128, 1, False)])
-def test_per_warp_mma_sums_match_reference(fmt: str, window, sinks: bool, splits, d: int, hq: int, block_n: int,
-                                           ahead: int, unroll: bool, device: str,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The softmax sums and the sums of P x zero point by mma.sync, P x scale in f16x2 on the fields as loaded
-    (`TQGluonConfig.mma_sums`): partial tiles mask each half of a field word on its own token (stale slots hold
-    NaN scales and zero points), GQA 8, 4 and 1, one or two tiles per iteration."""
-    from kvpolicy.kernels import tq_gluon
-
-    cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, pages_ahead=ahead, sum_pages=True, unroll=unroll,
-                                 mma_sums=True)
+                                 unroll=unroll, mma_sums=mma_sums)
     _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
 
 

@@ -54,8 +54,12 @@
 #            registers: 3 programs per SM, with spills).
 #   b1curve: gpt-oss batch 1 4bit_nc (the default) at 8k-128k with the default splits and half of them,
 #            beside cuDNN: where the time per token changes.
+# session 25:
+#   rotate:  GPU tests of TQGluonConfig.rotate_query, then its probe (off / on) with each format's default
+#            config, both layers, batch 1 and 8, 4k and 128k (gpt-oss 4bit_nc at 4k-128k), and gpt-oss batch-1
+#            4bit_nc at 128k with 33 splits (fills the 264 program slots) against 32.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -259,6 +263,22 @@ elif [ "$2" = b1curve ]; then
     --batch 1 --contexts 8192,16384,32768,65536,98304,131072 --block-n 256 --per-warp 1 --sum-pages 1 \
     --unroll 1 --mma-sums 1 --split-scale 0.5,1
   grep -v "^==" "$out/probe_b1curve.log" | grep -E " us |us,"
+elif [ "$2" = rotate ]; then
+  timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k rotating -p no:cacheprovider \
+    > "$out/pytest_rotate.log" 2>&1
+  tail -3 "$out/pytest_rotate.log"
+  c="--per-warp 1 --sum-pages 1 --rotate 0,1 --split-scale 1"
+  PROBE_LIMIT=150 logged_probe probe_rotate.log rot_g4 --formats turboquant_4bit_nc --geometries gpt-oss-20b \
+    --block-n 256 --unroll 1 --mma-sums 1 --contexts 4096,16384,65536,131072 --batch 1,8 $c
+  logged_probe probe_rotate.log rot_gk --formats turboquant_k3v4_nc --geometries gpt-oss-20b --block-n 256 \
+    --unroll 1 --mma-sums 0 --contexts 4096,131072 --batch 1,8 $c
+  logged_probe probe_rotate.log rot_g3 --formats turboquant_3bit_nc --geometries gpt-oss-20b --block-n 256 \
+    --unroll 0 --mma-sums 0 --contexts 4096,131072 --batch 1,8 $c
+  PROBE_LIMIT=150 logged_probe probe_rotate.log rot_l --formats turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc \
+    --geometries llama-3.1-8b --block-n 128 --unroll 1 --mma-sums 1 --contexts 4096,131072 --batch 1,8 $c
+  logged_probe probe_rotate.log split33 --formats turboquant_4bit_nc --geometries gpt-oss-20b --block-n 256 \
+    --unroll 1 --mma-sums 1 --contexts 131072 --batch 1 --per-warp 1 --sum-pages 1 --rotate 1 --split-scale 1,1.04
+  grep -v "^==" "$out/probe_rotate.log" | grep -E " us |us,"
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--sum-pages", default="0", help="TQGluonConfig.sum_pages (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--unroll", default="0", help="TQGluonConfig.unroll (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--mma-sums", default="0", help="TQGluonConfig.mma_sums (per-warp kernel) to try: 0, 1 or 0,1")
+    p.add_argument("--rotate", default="0", help="TQGluonConfig.rotate_query (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--pages", default="random", help="block tables: random, sequential or both (bench_decode.build_case)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -67,17 +68,18 @@ def main() -> None:
                     want = FORMATS[fmt]["decode"](case["caches"][fmt], q, tables[0], sl, case["sinks"]).float()
                     # the Gluon kernel reads the planar layout of the same bytes
                     cache = planar_from_slots(case["caches"][fmt], fmt, geom.head_dim)
-                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll, mma_sums in itertools.product(
+                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll, mma_sums, rotate in itertools.product(
                             map(int, args.maxnreg.split(",")), map(int, args.block_n.split(",")),
                             map(int, args.lazy.split(",")), map(int, args.per_warp.split(",")),
                             map(int, args.pages_ahead.split(",")), map(int, args.sum_pages.split(",")),
-                            map(int, args.unroll.split(",")), map(int, args.mma_sums.split(","))):
-                        if (per_warp and fmt not in tq_warp.FORMATS) or ((sum_pages or unroll or mma_sums)
+                            map(int, args.unroll.split(",")), map(int, args.mma_sums.split(",")),
+                            map(int, args.rotate.split(","))):
+                        if (per_warp and fmt not in tq_warp.FORMATS) or ((sum_pages or unroll or mma_sums or rotate)
                                                                           and not per_warp):
                             continue
                         cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None, lazy_max=bool(lazy),
                                                per_warp=bool(per_warp), pages_ahead=ahead, sum_pages=bool(sum_pages),
-                                               unroll=bool(unroll), mma_sums=bool(mma_sums))
+                                               unroll=bool(unroll), mma_sums=bool(mma_sums), rotate_query=bool(rotate))
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev,
                                               waves=())
@@ -96,7 +98,8 @@ def main() -> None:
                             results.append({"geometry": gname, "pages": pages, "batch": batch, "context": ctx, "format": fmt,
                                             "maxnreg": maxnreg, "block_n": block_n, "lazy_max": bool(lazy),
                                             "per_warp": bool(per_warp), "pages_ahead": ahead, "sum_pages": bool(sum_pages),
-                                            "unroll": bool(unroll), "mma_sums": bool(mma_sums), "resident": res,
+                                            "unroll": bool(unroll), "mma_sums": bool(mma_sums), "rotate_query": bool(rotate),
+                                            "resident": res,
                                             "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
                                             "baselines": base})
                             print(f"  {fmt}_gl block_n={block_n} lazy={lazy} per_warp={per_warp} ahead={ahead} sum={sum_pages} unroll={unroll} "

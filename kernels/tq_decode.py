@@ -580,8 +580,8 @@ def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, scale, sliding_w
         num_splits = split_count(bsz, hkv, span, cfg.block_n,
                                  tq_gluon.programs_per_sm(fmt, d, query.device, cfg), query.device,
                                  waves=())
-    if tq_layout(fmt, d).key_fp8:
-        q16, q_scale = query, scale * LOG2E  # FP8 keys are not rotated
+    if tq_layout(fmt, d).key_fp8 or (cfg.per_warp and cfg.rotate_query):
+        q16, q_scale = query, scale * LOG2E  # FP8 keys are not rotated; with rotate_query the kernel rotates
     else:
         q16, q_scale = _rotated_query(query, fmt, hkv, scale), 1.0
     return tq_gluon.decode_tq_gluon(query, q16, q_scale, cache, fmt, block_tables, seq_lens,

@@ -527,6 +527,10 @@ class TQGluonConfig:
     """Per-warp kernel: P in fp16 once; P x value scale two tokens per instruction on the fp16 scales as loaded,
     and each head's softmax sum and sum of P x zero point by one mma.sync per page (`tq_warp._sums_operands`)
     instead of an add and an FMA per score and a conversion per field."""
+    rotate_query: bool = False
+    """Per-warp kernel: rotate the query in the prologue (`tq_warp._rotated_query`, one mma.sync product per
+    program) instead of in a kernel of its own before it (`tq_decode._tq_rotate_query_kernel`): one launch less
+    per decode step."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:

@@ -51,7 +51,12 @@ from kvpolicy.kernels.tq_gluon import (
     _word_bytes,
     kernel_constexprs,
 )
-from kvpolicy.kernels.turboquant import SELECT, SUBNORMAL_UNIT, render_ptx
+from kvpolicy.kernels.turboquant import (
+    SELECT,
+    SUBNORMAL_UNIT,
+    kernel_tables,
+    render_ptx,
+)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -579,9 +584,31 @@ def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
 
 
 @gluon.jit
+def _rotated_query(q_ptr, rot_ptr, order, seq, kvh, q_scale, rot_scale, stride_qb, stride_qh, GROUP: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, q_layout: gl.constexpr):
+    """(q x q_scale in fp16) @ Pi^T sqrt(D) x rot_scale, columns in the score MMA's K order `order` [D], for the
+    GQA group's heads [8, D] in `q_layout` (`TQGluonConfig.rotate_query`): `tq_decode._tq_rotate_query_kernel`'s
+    product, by mma.sync in the prologue, without its fp16 rounding of the result. The order is folded into the
+    columns of the rotation the B operand loads, so the product comes out permuted."""
+    rl: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.DotOperandLayout(0, rl, 2)))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.DotOperandLayout(0, rl, 2)))
+    a = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + rows)[:, None] * stride_qh + cols[None, :],
+                mask=(rows < GROUP)[:, None], other=0.0)
+    a = (a.to(gl.float32) * q_scale).to(gl.float16)
+    kk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, gl.DotOperandLayout(1, rl, 2)))
+    jj = gl.convert_layout(order, gl.SliceLayout(0, gl.DotOperandLayout(1, rl, 2)))
+    b = gl.load(rot_ptr + kk[:, None] * HEAD_DIM + jj[None, :])
+    x = mma_v2(a, b, gl.zeros([16, HEAD_DIM], gl.float32, rl)) * rot_scale
+    # rows 0-7 (the heads; 8-15 are the M padding): the row's bit 3 is a register bit of the accumulator
+    x, _ = gl.split(gl.permute(gl.reshape(x, [2, 8, HEAD_DIM]), (1, 2, 0)))
+    return gl.convert_layout(x, q_layout)
+
+
+@gluon.jit
 def _tq_warp_kernel(
-    q_ptr, order_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_out_ptr,
-    part_lse_ptr, q_scale, window, num_splits,
+    q_ptr, order_ptr, rot_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, q_scale, rot_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
@@ -590,7 +617,7 @@ def _tq_warp_kernel(
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
     MMA_SUMS: gl.constexpr, FW: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr,
     UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, ROTATE: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
@@ -604,8 +631,12 @@ def _tq_warp_kernel(
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
     order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
-    q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
-                mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32) * q_scale
+    if ROTATE:
+        q = _rotated_query(q_ptr, rot_ptr, order, seq, kvh, q_scale, rot_scale, stride_qb, stride_qh, GROUP,
+                           HEAD_DIM, q_layout)
+    else:
+        q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
+                    mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32) * q_scale
     amax = gl.max(gl.abs(q), 1)
     step = gl.where(amax > 0.0, amax / 127.0, 1.0)
     x = q / step[:, None]
@@ -749,7 +780,8 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
                    sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg) -> torch.Tensor:
     """Run the kernel (and the shared merge when split); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
-    `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages, unroll)."""
+    `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages, unroll, mma_sums, rotate_query: then
+    `q16` is the query itself and `q_scale` the softmax scale x log2(e), and the kernel rotates it)."""
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
     from kvpolicy.kernels.tq_gluon import TQGluonConfig
 
@@ -763,13 +795,15 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     cx = {k: cx[k] for k in ("GROUP", "NUM_KV", "HEAD_DIM", "SLOT", "KEY_BITS", "V_BITS", "KBM", "KB", "VBM", "VB",
                              "NF", "I8_SCALE")}
     part_out, part_lse = split_partials(out, splits)
+    table = _kernel_table(fmt, head_dim, str(cache.device))
+    rot = kernel_tables(fmt, head_dim, query.device)["rot_t_sign_f16"] if cfg.rotate_query else table
     _tq_warp_kernel[(num_kv_heads, splits, batch)](
-        q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),
-        block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale),
+        q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
+        sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale), 1.0 / head_dim,
         int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
-        HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, num_warps=4,
+        HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, ROTATE=cfg.rotate_query, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1:
         launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)

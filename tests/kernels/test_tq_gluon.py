@@ -4,6 +4,7 @@ Hopper GPU. Gluon does not run under the Triton interpreter: on the CPU only the
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -171,6 +172,23 @@ def test_per_warp_unrolled_and_mma_sums_match_reference(fmt: str, window, sinks:
 
     cfg = tq_gluon.TQGluonConfig(block_n=block_n, per_warp=True, pages_ahead=ahead, sum_pages=block_n > 64,
                                  unroll=unroll, mma_sums=mma_sums)
+    _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("window, sinks, splits", CASES)
+@pytest.mark.parametrize("d, hq", [(64, 64), (128, 32), (128, 8), (64, 8)])
+def test_per_warp_rotating_the_query_in_the_kernel_matches_reference(fmt: str, window, sinks: bool, splits, d: int,
+                                                                     hq: int, device: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TQGluonConfig.rotate_query`: the kernel rotates the raw bf16 query in its prologue (the GQA group's
+    rows of the M = 16 product, the rest masked: groups of 8, 4 and 1) instead of reading the rotated one; the
+    format's default tile otherwise."""
+    from kvpolicy.kernels import tq_gluon
+
+    cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), rotate_query=True)
     _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
 
 

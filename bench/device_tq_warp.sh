@@ -58,8 +58,11 @@
 #   rotate:  GPU tests of TQGluonConfig.rotate_query, then its probe (off / on) with each format's default
 #            config, both layers, batch 1 and 8, 4k and 128k (gpt-oss 4bit_nc at 4k-128k), and gpt-oss batch-1
 #            4bit_nc at 128k with 33 splits (fills the 264 program slots) against 32.
+#   early:   GPU tests (rotate_query, four pages), then the probe of each format's default with the first
+#            tile's loads before the query's prologue, rotate_query off / on, and the same cases on the kernel
+#            before both (.ab/tq_warp_base.py: 9a75e12's kernels/tq_warp.py, git-ignored: carry it).
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -279,6 +282,24 @@ elif [ "$2" = rotate ]; then
   logged_probe probe_rotate.log split33 --formats turboquant_4bit_nc --geometries gpt-oss-20b --block-n 256 \
     --unroll 1 --mma-sums 1 --contexts 131072 --batch 1 --per-warp 1 --sum-pages 1 --rotate 1 --split-scale 1,1.04
   grep -v "^==" "$out/probe_rotate.log" | grep -E " us |us,"
+elif [ "$2" = early ]; then
+  timeout 200 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "rotating or four_pages" -p no:cacheprovider \
+    > "$out/pytest_early.log" 2>&1
+  tail -3 "$out/pytest_early.log"
+  early_probes() {  # TAG ROTATE
+    local c="--per-warp 1 --sum-pages 1 --rotate $2 --split-scale 1 --batch 1,8"
+    logged_probe probe_early.log $1_g4 --formats turboquant_4bit_nc --geometries gpt-oss-20b \
+      --block-n 256 --unroll 1 --mma-sums 1 --contexts 4096,16384,65536,131072 $c
+    logged_probe probe_early.log $1_gk --formats turboquant_k3v4_nc --geometries gpt-oss-20b --block-n 256 \
+      --unroll 1 --mma-sums 0 --contexts 4096,131072 $c
+    logged_probe probe_early.log $1_g3 --formats turboquant_3bit_nc --geometries gpt-oss-20b --block-n 256 \
+      --unroll 0 --mma-sums 0 --contexts 4096,131072 $c
+    logged_probe probe_early.log $1_l --formats turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc \
+      --geometries llama-3.1-8b --block-n 128 --unroll 1 --mma-sums 1 --contexts 4096,131072 $c
+  }
+  early_probes new 0,1
+  use_base; early_probes base 0; use_new
+  grep -v "^==" "$out/probe_early.log" | grep -E " us |us,"
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

@@ -103,7 +103,7 @@ def main() -> None:
                                             "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
                                             "baselines": base})
                             print(f"  {fmt}_gl block_n={block_n} lazy={lazy} per_warp={per_warp} ahead={ahead} sum={sum_pages} unroll={unroll} "
-                                  f"mma_sums={mma_sums} maxnreg={maxnreg} "
+                                  f"mma_sums={mma_sums} rotate={rotate} maxnreg={maxnreg} "
                                   f"resident={res} "
                                   f"splits={splits}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s; vs Triton "
                                   f"{base[fmt] / us:.2f}x; err vs Triton {err:.1e})", flush=True)

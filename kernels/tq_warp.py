@@ -38,6 +38,8 @@ algebra also on the CPU (tests/kernels/test_tq_warp.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.tq_gluon import (
@@ -50,12 +52,13 @@ from kvpolicy.kernels.tq_gluon import (
     _store_result,
     _word_bytes,
     kernel_constexprs,
+    query_order,
 )
 from kvpolicy.kernels.turboquant import (
     SELECT,
     SUBNORMAL_UNIT,
-    kernel_tables,
     render_ptx,
+    rotation_t_signs,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -584,21 +587,24 @@ def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
 
 
 @gluon.jit
-def _rotated_query(q_ptr, rot_ptr, order, seq, kvh, q_scale, rot_scale, stride_qb, stride_qh, GROUP: gl.constexpr,
+def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, rot_scale, stride_qb, stride_qh, GROUP: gl.constexpr,
                    HEAD_DIM: gl.constexpr, q_layout: gl.constexpr):
-    """(q x q_scale in fp16) @ Pi^T sqrt(D) x rot_scale, columns in the score MMA's K order `order` [D], for the
-    GQA group's heads [8, D] in `q_layout` (`TQGluonConfig.rotate_query`): `tq_decode._tq_rotate_query_kernel`'s
-    product, by mma.sync in the prologue, without its fp16 rounding of the result. The order is folded into the
-    columns of the rotation the B operand loads, so the product comes out permuted."""
+    """(q x q_scale in fp16) @ Pi^T sqrt(D) x rot_scale in the score MMA's K order, for the GQA group's heads
+    [8, D] in `q_layout` (`TQGluonConfig.rotate_query`): `tq_decode._tq_rotate_query_kernel`'s product by
+    mma.sync in the prologue, without its fp16 rounding of the result. `rot_ptr` is `rotation_operand`: the
+    order is folded into its rows and each row is contiguous along the product's K, so with k_width 8 (both
+    operands relabel K alike) each thread loads its operands in 16-byte vectors."""
     rl: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
-    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.DotOperandLayout(0, rl, 2)))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.DotOperandLayout(0, rl, 2)))
+    al: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=rl, k_width=8)
+    bl: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=rl, k_width=8)
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, al))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, al))
     a = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + rows)[:, None] * stride_qh + cols[None, :],
                 mask=(rows < GROUP)[:, None], other=0.0)
     a = (a.to(gl.float32) * q_scale).to(gl.float16)
-    kk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, gl.DotOperandLayout(1, rl, 2)))
-    jj = gl.convert_layout(order, gl.SliceLayout(0, gl.DotOperandLayout(1, rl, 2)))
-    b = gl.load(rot_ptr + kk[:, None] * HEAD_DIM + jj[None, :])
+    kk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, bl))
+    jj = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, bl))
+    b = gl.load(rot_ptr + jj[None, :] * HEAD_DIM + kk[:, None])
     x = mma_v2(a, b, gl.zeros([16, HEAD_DIM], gl.float32, rl)) * rot_scale
     # rows 0-7 (the heads; 8-15 are the M padding): the row's bit 3 is a register bit of the accumulator
     x, _ = gl.split(gl.permute(gl.reshape(x, [2, 8, HEAD_DIM]), (1, 2, 0)))
@@ -626,14 +632,26 @@ def _tq_warp_kernel(
     ROWL: gl.constexpr = gl.SliceLayout(2, XL)
     PPW: gl.constexpr = BN // 64  # `pages_per_warp`
 
+    # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
+    # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
+    # (NOTES_TQ.md, tenth session). The first tile's loads go out before the query's prologue, whose
+    # layout conversions wait at barriers: their latency then overlaps it.
+    bt_row = block_tables_ptr + seq * stride_bt
+    kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL),
+                                                   kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
+                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
+    # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
+    table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
+    pw = _pages_w(bt_row, tile_lo + 1, seq_len, PPW, FL)
+
     # The query as two signed bytes per coordinate, in the score MMA's K order (as `tq_gluon`), then the
     # mma.sync A operand [4, 16, D] (every warp the whole query; once per program).
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
     order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
     if ROTATE:
-        q = _rotated_query(q_ptr, rot_ptr, order, seq, kvh, q_scale, rot_scale, stride_qb, stride_qh, GROUP,
-                           HEAD_DIM, q_layout)
+        q = _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, rot_scale, stride_qb, stride_qh, GROUP, HEAD_DIM,
+                           q_layout)
     else:
         q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
                     mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32) * q_scale
@@ -650,8 +668,6 @@ def _tq_warp_kernel(
     qf = gl.convert_layout(step * (1.0 / (Q_LO * I8_SCALE)), gl.SliceLayout(0, ROWL))
     qc = gl.convert_layout(0.5 * gl.sum(hi * Q_LO + lo, 1), gl.SliceLayout(0, ROWL))
 
-    bt_row = block_tables_ptr + seq * stride_bt
-
     m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
     # per-thread softmax sums (and of P x zero point)
     if MMA_SUMS:
@@ -664,15 +680,6 @@ def _tq_warp_kernel(
         l_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
         z_part = gl.zeros_like(l_part)
     acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
-    # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
-    # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
-    # (NOTES_TQ.md, tenth session).
-    kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL),
-                                                   kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
-    # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
-    table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
-    pw = _pages_w(bt_row, tile_lo + 1, seq_len, PPW, FL)
     if UNROLL:
         # Two tiles per iteration, their bytes in two register sets that take turns: the set of tile i + 2 loads
         # after tile i is computed, into the same registers, so no set is copied at the loop's end (one pass per
@@ -771,6 +778,14 @@ two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on and, for the default
 overrides."""
 
 
+@functools.cache
+def rotation_operand(fmt: str, head_dim: int, device: str) -> torch.Tensor:
+    """fp16 [D, D], row j = column `query_order`[j] of Pi^T sqrt(D) (`turboquant.rotation_t_signs`, entries
+    +-1): the B operand of `_rotated_query`, whose product then comes out in the score MMA's K order."""
+    rot = rotation_t_signs(head_dim)[:, query_order(fmt, head_dim)]
+    return rot.t().contiguous().to(device)
+
+
 def smem_bytes(head_dim: int) -> int:
     """Shared memory of one program (the compiler's scratch for layout conversions; same compile)."""
     return 128 * head_dim
@@ -796,7 +811,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
                              "NF", "I8_SCALE")}
     part_out, part_lse = split_partials(out, splits)
     table = _kernel_table(fmt, head_dim, str(cache.device))
-    rot = kernel_tables(fmt, head_dim, query.device)["rot_t_sign_f16"] if cfg.rotate_query else table
+    rot = rotation_operand(fmt, head_dim, str(cache.device)) if cfg.rotate_query else table
     _tq_warp_kernel[(num_kv_heads, splits, batch)](
         q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
         sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale), 1.0 / head_dim,

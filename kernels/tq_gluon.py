@@ -571,6 +571,11 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       269.8 / 266.1; 3bit_nc, which then also takes two tiles per iteration, 290.5 / 274.8, batch 1 48.0 /
       47.4). At head_dim 64 those two measured slower with it (gpt-oss k3v4_nc 180.0 / 187.2, 3bit_nc 210.7 /
       224.3), though it takes 55-62 instructions per tile off both (ptxas schedules them worse).
+    - The query rotated in the per-warp kernel's prologue (`rotate_query`, twenty-fifth session,
+      `bench/results_tq_warp_rotate/probe_early.log`, us, the kernel before it / with it): one launch less per
+      step, 1.2-2.1 us at batch 1 on every format and layer (gpt-oss 4bit_nc 4k 9.1 / 7.7, 128k 32.8 / 30.6;
+      Llama 4bit_nc 4k 13.3 / 12.4, 3bit_nc 128k 46.4 / 44.3) and at batch 8 up to 3.4 us at 4k (Llama 4bit_nc
+      22.6 / 19.2), 128k within 1.6% either way (gpt-oss 4bit_nc 173.8 / 169.4, 3bit_nc 208.9 / 209.7).
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
       for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
       128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
@@ -579,7 +584,7 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     if fmt in tq_warp.FORMATS:
         return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True,
                              unroll=fmt != "turboquant_3bit_nc" or head_dim == 128,
-                             mma_sums=fmt == "turboquant_4bit_nc" or head_dim == 128)
+                             mma_sums=fmt == "turboquant_4bit_nc" or head_dim == 128, rotate_query=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)

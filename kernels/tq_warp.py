@@ -768,14 +768,14 @@ def _tq_warp_kernel(
 FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 """Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values."""
 REGISTERS = {"turboquant_4bit_nc": {(64, 64): 94, (64, 128): 150, (64, 256): 216, (128, 64): 145, (128, 128): 197},
-             "turboquant_k3v4_nc": {(64, 64): 95, (64, 128): 153, (64, 256): 255, (128, 64): 145, (128, 128): 200},
-             "turboquant_3bit_nc": {(64, 64): 115, (64, 128): 158, (64, 256): 253, (128, 64): 147,
+             "turboquant_k3v4_nc": {(64, 64): 95, (64, 128): 153, (64, 256): 246, (128, 64): 145, (128, 128): 197},
+             "turboquant_3bit_nc": {(64, 64): 115, (64, 128): 158, (64, 256): 255, (128, 64): 147,
                                     (128, 128): 204}}
 """Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
 two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on and, for the default tiles (256 at head_dim 64, 128 at
-128), `TQGluonConfig.unroll` and `mma_sums` where `tq_gluon.default_config` sets them; `bench/sass_mix.py
---tq-gluon FORMAT --head-dim D --block-n BN --per-warp --sum-pages [--unroll] [--mma-sums]`); `TQGluonConfig.maxnreg`
-overrides."""
+128), `TQGluonConfig.unroll`, `mma_sums` and `rotate_query` where `tq_gluon.default_config` sets them; `bench/sass_mix.py
+--tq-gluon FORMAT --head-dim D --block-n BN --per-warp --sum-pages [--unroll] [--mma-sums] [--rotate]`);
+`TQGluonConfig.maxnreg` overrides."""
 
 
 @functools.cache

@@ -61,8 +61,12 @@
 #   early:   GPU tests (rotate_query, four pages), then the probe of each format's default with the first
 #            tile's loads before the query's prologue, rotate_query off / on, and the same cases on the kernel
 #            before both (.ab/tq_warp_base.py: 9a75e12's kernels/tq_warp.py, git-ignored: carry it).
+#   twopage: GPU tests of two pages per warp under a cap of 128 registers, then the probe on the gpt-oss layer
+#            (128k, batch 8 and 1) of two pages per warp with the sums by mma.sync, one or two tiles per
+#            iteration, uncapped (145-160 registers: 3 programs per SM) or capped at 128 (4), against each
+#            format's default (four pages, 2 programs per SM).
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -300,6 +304,18 @@ elif [ "$2" = early ]; then
   early_probes new 0,1
   use_base; early_probes base 0; use_new
   grep -v "^==" "$out/probe_early.log" | grep -E " us |us,"
+elif [ "$2" = twopage ]; then
+  timeout 150 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "register_cap" -p no:cacheprovider \
+    > "$out/pytest_twopage.log" 2>&1
+  tail -2 "$out/pytest_twopage.log"
+  c="--geometries gpt-oss-20b --contexts 131072 --batch 8,1 --per-warp 1 --sum-pages 1 --rotate 1 --split-scale 1"
+  for f in 4bit_nc k3v4_nc 3bit_nc; do
+    logged_probe probe_twopage.log two_$f --formats turboquant_$f --block-n 128 --unroll 0,1 --mma-sums 1 --maxnreg 0,128 $c
+  done
+  logged_probe probe_twopage.log def_4bit_nc --formats turboquant_4bit_nc --block-n 256 --unroll 1 --mma-sums 1 $c
+  logged_probe probe_twopage.log def_k3v4_nc --formats turboquant_k3v4_nc --block-n 256 --unroll 1 --mma-sums 0 $c
+  logged_probe probe_twopage.log def_3bit_nc --formats turboquant_3bit_nc --block-n 256 --unroll 0 --mma-sums 0 $c
+  grep -v "^==" "$out/probe_twopage.log" | grep -E " us \(" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

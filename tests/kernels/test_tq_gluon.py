@@ -194,6 +194,24 @@ def test_per_warp_rotating_the_query_in_the_kernel_matches_reference(fmt: str, w
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("window, sinks, splits", CASES)
+@pytest.mark.parametrize("unroll", [False, True])
+def test_per_warp_two_pages_under_a_register_cap_match_reference(fmt: str, window, sinks: bool, splits,
+                                                                  unroll: bool, device: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pages per warp at head_dim 64 with the sums by mma.sync, the query rotated in the kernel and at most
+    128 registers per thread (4 programs per SM, the split count sized for them): the compile may keep values
+    in fewer registers or spill (3bit_nc with two tiles per iteration: 56 bytes), and must stay exact."""
+    from kvpolicy.kernels import tq_gluon
+
+    cfg = tq_gluon.TQGluonConfig(block_n=128, per_warp=True, sum_pages=True, unroll=unroll, mma_sums=True,
+                                 rotate_query=True, maxnreg=128)
+    _check_config(cfg, fmt, device, monkeypatch, 64, 64, window, sinks, splits)
+
+
+@pytest.mark.gpu
+@hopper_only
 @pytest.mark.parametrize("fmt, d, block_n, sum_pages, mma_sums", [
     ("turboquant_4bit_nc", 128, 64, False, False), ("turboquant_4bit_nc", 64, 64, False, False),
     ("turboquant_3bit_nc", 128, 64, False, False), ("turboquant_4bit_nc", 64, 128, False, False),

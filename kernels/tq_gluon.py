@@ -544,7 +544,7 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       registers: 4 programs per SM, no spills; uncapped 211.1), k3v4_nc 206.1 against 217.3, and 3bit_nc
       225.9 against 243.3 for the warpgroup kernel. Batch 1: Llama 51.5 / 48.2 / 52.3 against 58.5 / 56.1 /
       59.9, gpt-oss within 1 us except k3v4_nc (36.4 against 38.5) and 3bit_nc (38.3 against 40.9).
-    - At head_dim 64 every format takes four pages per warp (256-token tiles; 253-255 registers, no
+    - At head_dim 64 every format took four pages per warp (4bit_nc still does; below) (256-token tiles; 253-255 registers, no
       spills, 2 programs per SM): gpt-oss layer 4bit_nc 190.3 us against 206.6 (two pages, capped at 128) and
       k3v4_nc 193.3 against 205.9 at batch 8, 35.0 against 38.4 and 34.9 against 36.6 at batch 1
       (`bench/results_tq_warp_ppw/probe_ppw4_*.json`). 3bit_nc fits four pages since its loads form one
@@ -576,11 +576,19 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       step, 1.2-2.1 us at batch 1 on every format and layer (gpt-oss 4bit_nc 4k 9.1 / 7.7, 128k 32.8 / 30.6;
       Llama 4bit_nc 4k 13.3 / 12.4, 3bit_nc 128k 46.4 / 44.3) and at batch 8 up to 3.4 us at 4k (Llama 4bit_nc
       22.6 / 19.2), 128k within 1.6% either way (gpt-oss 4bit_nc 173.8 / 169.4, 3bit_nc 208.9 / 209.7).
+    - k3v4_nc and 3bit_nc at head_dim 64 take two pages per warp (128-token tiles) with the sums by mma.sync,
+      one tile per iteration and at most 128 registers (no spills: 4 programs per SM against 2; twenty-fifth
+      session, `bench/results_tq_warp_rotate/probe_twopage.log`, gpt-oss layer, 128k, us, four pages (the
+      default before) / these): batch 8 k3v4_nc 176.8 / 170.1, 3bit_nc 208.9 / 199.0; batch 1 30.9 / 31.2 and
+      34.9 / 35.8. 4bit_nc keeps four pages (169.6 against 179.5 for the same two-page form, 196.5 uncapped).
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
       for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
       128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
     from kvpolicy.kernels import tq_warp
 
+    if fmt in tq_warp.FORMATS and head_dim == 64 and fmt != "turboquant_4bit_nc":
+        return TQGluonConfig(block_n=128, per_warp=True, sum_pages=True, mma_sums=True, rotate_query=True,
+                             maxnreg=128)
     if fmt in tq_warp.FORMATS:
         return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True,
                              unroll=fmt != "turboquant_3bit_nc" or head_dim == 128,

@@ -573,9 +573,10 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       224.3), though it takes 55-62 instructions per tile off both (ptxas schedules them worse).
     - The query rotated in the per-warp kernel's prologue (`rotate_query`, twenty-fifth session,
       `bench/results_tq_warp_rotate/probe_early.log`, us, the kernel before it / with it): one launch less per
-      step, 1.2-2.1 us at batch 1 on every format and layer (gpt-oss 4bit_nc 4k 9.1 / 7.7, 128k 32.8 / 30.6;
-      Llama 4bit_nc 4k 13.3 / 12.4, 3bit_nc 128k 46.4 / 44.3) and at batch 8 up to 3.4 us at 4k (Llama 4bit_nc
-      22.6 / 19.2), 128k within 1.6% either way (gpt-oss 4bit_nc 173.8 / 169.4, 3bit_nc 208.9 / 209.7).
+      step, 0.9-2.9 us at batch 1 (gpt-oss 4bit_nc 4k 9.1 / 7.7, 128k 32.8 / 30.6; Llama 4bit_nc 4k 13.3 /
+      12.4, 3bit_nc 128k 46.4 / 44.3; the exception Llama k3v4_nc 128k 46.6 / 47.4) and at batch 8 up to 3.4 us
+      at 4k (Llama 4bit_nc 22.6 / 19.2), 128k within 1.6% either way (gpt-oss 4bit_nc 173.8 / 169.4, 3bit_nc
+      208.9 / 209.7).
     - k3v4_nc and 3bit_nc at head_dim 64 take two pages per warp (128-token tiles) with the sums by mma.sync,
       one tile per iteration and at most 128 registers (no spills: 4 programs per SM against 2; twenty-fifth
       session, `bench/results_tq_warp_rotate/probe_twopage.log`, gpt-oss layer, 128k, us, four pages (the

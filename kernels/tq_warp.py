@@ -28,6 +28,8 @@ The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of
 when none of the warp's heads moved its max: with the lazy max (`TQGluonConfig.lazy_max`, the reference max
 moves only when a score passes it by `LAZY_MAX_MARGIN`) that is nearly every tile; Gluon has no per-warp
 branch, so the skip is a vote and a branch inside one asm block (`rescale_ptx`).
+Each program rotates its group's query in its prologue (`_rotated_query`, `TQGluonConfig.rotate_query`;
+seventeenth session) instead of a kernel of its own running before it: one launch less per decode step.
 
 Scope: turboquant_4bit_nc, turboquant_k3v4_nc and turboquant_3bit_nc (`FORMATS`), head_dim 64 or 128, GQA
 groups up to 8, 16-token planar pages, sm_90 (mma.sync runs on sm_80+, the callers route sm_90 only).

@@ -12,6 +12,7 @@ from kvpolicy.kernels.tq_warp import (
     dim_of_row,
     key_layout,
     pages_per_warp,
+    rotation_operand,
     v3_pair_program,
     v_pair_program,
     value_axes,
@@ -211,3 +212,20 @@ def test_mma_sums_refuses_one_page_per_warp() -> None:
         decode_tq_warp(q, q, 1.0, torch.zeros(1, 1, 16, dtype=torch.uint8), "turboquant_4bit_nc",
                        torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), sliding_window=None,
                        sinks=None, splits=1, out=torch.zeros_like(q), cfg=cfg)
+
+
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rotation_operand_gives_the_rotated_query_in_the_score_order(fmt: str, d: int) -> None:
+    """`_rotated_query` computes q @ rotation_operand^T: that must be the rotation kernel's product
+    (q @ Pi^T sqrt(D)) with its coordinates in the score MMA's K order (`query_order`), which the kernel's
+    query bytes and the key operand share; the rotation's entries stay exactly +-1 in fp16."""
+    from kvpolicy.kernels.tq_gluon import query_order
+    from kvpolicy.kernels.turboquant import hadamard_rotation
+
+    op = rotation_operand(fmt, d, "cpu")
+    assert op.dtype == torch.float16 and op.is_contiguous() and set(op.unique().tolist()) == {-1.0, 1.0}
+    q = torch.randn(8, d, dtype=torch.float64)
+    want = (q @ hadamard_rotation(d).T * d**0.5)[:, query_order(fmt, d)]
+    torch.testing.assert_close(q @ op.double().T, want, rtol=0, atol=1e-9)
+

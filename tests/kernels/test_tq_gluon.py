@@ -143,7 +143,7 @@ def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, si
 @pytest.mark.parametrize("sum_pages", [False, True])
 def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, splits, sum_pages: bool, device: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four pages per warp (256-token tiles) at head_dim 64, the default there, with the pages' softmax sums
+    """Four pages per warp (256-token tiles) at head_dim 64, 4bit_nc's default there, with the pages' softmax sums
     apart or added in-thread (3bit_nc without them spills 8 bytes in the sm_90 compile; it must still be right)."""
     from kvpolicy.kernels import tq_gluon
 
@@ -185,7 +185,7 @@ def test_per_warp_rotating_the_query_in_the_kernel_matches_reference(fmt: str, w
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`TQGluonConfig.rotate_query`: the kernel rotates the raw bf16 query in its prologue (the GQA group's
     rows of the M = 16 product, the rest masked: groups of 8, 4 and 1) instead of reading the rotated one; the
-    format's default tile otherwise."""
+    format's default configuration otherwise (which sets it too: this keeps the test on it if that changes)."""
     from kvpolicy.kernels import tq_gluon
 
     cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), rotate_query=True)

@@ -104,7 +104,7 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
     pointers = {"q_ptr": "*bf16" if rotate else "*fp16", "order_ptr": "*i32", "rot_ptr": "*fp16", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    return _compile(fn, constexprs, pointers, {"q_scale", "rot_scale"}, set(), 4, None, maxnreg, GluonASTSource)
+    return _compile(fn, constexprs, pointers, {"q_scale"}, set(), 4, None, maxnreg, GluonASTSource)
 
 
 def _on_cubin(kernel, tool: str, *args: str) -> str:

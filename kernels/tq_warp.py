@@ -589,9 +589,9 @@ def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
 
 
 @gluon.jit
-def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, rot_scale, stride_qb, stride_qh, GROUP: gl.constexpr,
+def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROUP: gl.constexpr,
                    HEAD_DIM: gl.constexpr, q_layout: gl.constexpr):
-    """(q x q_scale in fp16) @ Pi^T sqrt(D) x rot_scale in the score MMA's K order, for the GQA group's heads
+    """(q x q_scale in fp16) @ Pi^T sqrt(D) / D in the score MMA's K order, for the GQA group's heads
     [8, D] in `q_layout` (`TQGluonConfig.rotate_query`): `tq_decode._tq_rotate_query_kernel`'s product by
     mma.sync in the prologue, without its fp16 rounding of the result. `rot_ptr` is `rotation_operand`: the
     order is folded into its rows and each row is contiguous along the product's K, so with k_width 8 (both
@@ -607,7 +607,7 @@ def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, rot_scale, stride_qb, stri
     kk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, bl))
     jj = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, bl))
     b = gl.load(rot_ptr + jj[None, :] * HEAD_DIM + kk[:, None])
-    x = mma_v2(a, b, gl.zeros([16, HEAD_DIM], gl.float32, rl)) * rot_scale
+    x = mma_v2(a, b, gl.zeros([16, HEAD_DIM], gl.float32, rl)) * (1.0 / HEAD_DIM)
     # rows 0-7 (the heads; 8-15 are the M padding): the row's bit 3 is a register bit of the accumulator
     x, _ = gl.split(gl.permute(gl.reshape(x, [2, 8, HEAD_DIM]), (1, 2, 0)))
     return gl.convert_layout(x, q_layout)
@@ -616,7 +616,7 @@ def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, rot_scale, stride_qb, stri
 @gluon.jit
 def _tq_warp_kernel(
     q_ptr, order_ptr, rot_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
-    part_out_ptr, part_lse_ptr, q_scale, rot_scale, window, num_splits,
+    part_out_ptr, part_lse_ptr, q_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
@@ -649,12 +649,11 @@ def _tq_warp_kernel(
     # The query as two signed bytes per coordinate, in the score MMA's K order (as `tq_gluon`), then the
     # mma.sync A operand [4, 16, D] (every warp the whole query; once per program).
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
-    offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
-    order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
     if ROTATE:
-        q = _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, rot_scale, stride_qb, stride_qh, GROUP, HEAD_DIM,
-                           q_layout)
+        q = _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, q_layout)
     else:
+        offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
+        order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
         q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
                     mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32) * q_scale
     amax = gl.max(gl.abs(q), 1)
@@ -816,8 +815,8 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     rot = rotation_operand(fmt, head_dim, str(cache.device)) if cfg.rotate_query else table
     _tq_warp_kernel[(num_kv_heads, splits, batch)](
         q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
-        sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale), 1.0 / head_dim,
-        int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
+        sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale), int(sliding_window or 0),
+        splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, ROTATE=cfg.rotate_query, num_warps=4,

@@ -587,13 +587,12 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
     from kvpolicy.kernels import tq_warp
 
-    if fmt in tq_warp.FORMATS and head_dim == 64 and fmt != "turboquant_4bit_nc":
-        return TQGluonConfig(block_n=128, per_warp=True, sum_pages=True, mma_sums=True, rotate_query=True,
-                             maxnreg=128)
     if fmt in tq_warp.FORMATS:
-        return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True,
-                             unroll=fmt != "turboquant_3bit_nc" or head_dim == 128,
-                             mma_sums=fmt == "turboquant_4bit_nc" or head_dim == 128, rotate_query=True)
+        if head_dim == 64 and fmt != "turboquant_4bit_nc":
+            return TQGluonConfig(block_n=128, per_warp=True, sum_pages=True, mma_sums=True, rotate_query=True,
+                                 maxnreg=128)
+        return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True, unroll=True,
+                             mma_sums=True, rotate_query=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)

@@ -65,8 +65,15 @@
 #            (128k, batch 8 and 1) of two pages per warp with the sums by mma.sync, one or two tiles per
 #            iteration, uncapped (145-160 registers: 3 programs per SM) or capped at 128 (4), against each
 #            format's default (four pages, 2 programs per SM).
+# session 26:
+#   warporder: GPU tests of the pages in the per-warp kernel's order (turboquant.warp_plane_order: the
+#            per-warp kernel's paths, the warpgroup kernel's k8v4 cases, the store), then the probe of each
+#            format's default on both layers (4k and 128k, batch 8 and 1), with the alternatives its fewer
+#            registers open on the gpt-oss layer, and the same defaults on the kernels before it
+#            (.ab/base_kernels/: 048d9b5's kernels/*.py, git-ignored: carry it). The probes' JSON files go
+#            into one tarball (the device returns at most 8 files).
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -316,6 +323,30 @@ elif [ "$2" = twopage ]; then
   logged_probe probe_twopage.log def_k3v4_nc --formats turboquant_k3v4_nc --block-n 256 --unroll 1 --mma-sums 0 $c
   logged_probe probe_twopage.log def_3bit_nc --formats turboquant_3bit_nc --block-n 256 --unroll 0 --mma-sums 0 $c
   grep -v "^==" "$out/probe_twopage.log" | grep -E " us \(" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
+elif [ "$2" = warporder ]; then
+  timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py -p no:cacheprovider \
+    -k "rotating or register_cap or agrees or needle or routing or gluon_matches or planar or gpu_random" \
+    > "$out/pytest_warporder.log" 2>&1
+  tail -3 "$out/pytest_warporder.log"
+  c="--contexts 4096,131072 --batch 8,1 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --split-scale 1"
+  defaults() {  # TAG: each format's default config (tq_gluon.default_config) on both layers
+    for f in 4bit_nc k3v4_nc 3bit_nc; do
+      logged_probe probe_warporder.log $1_llama_$f --geometries llama-3.1-8b --formats turboquant_$f --block-n 128 --unroll 1 $c
+    done
+    logged_probe probe_warporder.log $1_gptoss_4bit_nc --geometries gpt-oss-20b --formats turboquant_4bit_nc --block-n 256 --unroll 1 $c
+    for f in k3v4_nc 3bit_nc; do
+      logged_probe probe_warporder.log $1_gptoss_$f --geometries gpt-oss-20b --formats turboquant_$f --block-n 128 --unroll 0 --maxnreg 128 $c
+    done
+  }
+  defaults new
+  logged_probe probe_warporder.log alt_gptoss_3bit_nc --geometries gpt-oss-20b --formats turboquant_3bit_nc --block-n 128 --unroll 1 --maxnreg 128 $c
+  logged_probe probe_warporder.log alt4_gptoss_3bit_nc --geometries gpt-oss-20b --formats turboquant_3bit_nc --block-n 256 --unroll 0 $c
+  logged_probe probe_warporder.log alt4_gptoss_k3v4_nc --geometries gpt-oss-20b --formats turboquant_k3v4_nc --block-n 256 --unroll 1 $c
+  mkdir -p "$out/kernels_new"; cp kernels/*.py "$out/kernels_new/"; cp .ab/base_kernels/*.py kernels/
+  defaults base
+  cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"
+  grep -v "^==" "$out/probe_warporder.log" | grep -E " us \(" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
+  tar -C "$out" -czf "$out/probe_warporder_json.tgz" $(cd "$out" && ls probe_*.json) && rm "$out"/probe_*.json
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

@@ -40,6 +40,7 @@ from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.turboquant import (
     PLANAR_PAGE,
     SUBNORMAL_UNIT,
+    WARP_ORDER_FORMATS,
     code_planes,
     field_planes,
     int8_centroids,
@@ -703,6 +704,9 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
 
         return decode_tq_warp(query, q16, q_scale, cache, fmt, block_tables, seq_lens, sliding_window=sliding_window,
                               sinks=sinks, splits=splits, out=out, cfg=cfg)
+    if fmt in WARP_ORDER_FORMATS:
+        raise ValueError(f"{fmt}: its planar pages are in the per-warp kernel's order "
+                         "(turboquant.warp_plane_order); run it with TQGluonConfig(per_warp=True)")
     if cfg.block_n not in (64, 128):
         raise ValueError(f"TQGluonConfig: block_n must be 64 or 128, got {cfg}")
     num_kv_heads = cache.shape[1]

@@ -14,24 +14,41 @@ import triton
 import triton.language as tl
 
 from kvpolicy.kernels.reductions import rmax, rmin, rsum
-from kvpolicy.kernels.turboquant import FP8_E4M3_MAX, PLANAR_PAGE, code_planes, kernel_tables, tq_layout
+from kvpolicy.kernels.turboquant import FP8_E4M3_MAX, PLANAR_PAGE, kernel_tables, tq_layout
+
+
+@triton.jit
+def _at(base, dest, cols, valid, PLANAR: tl.constexpr):
+    """Byte addresses [BLOCK_T, len(cols)] of slot bytes `cols` of each token: in its page (`dest`: the
+    token's row of the destination table) or in its slot."""
+    if PLANAR:
+        return base[:, None] + tl.load(dest[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    return base[:, None] + cols[None, :]
+
+
+@triton.jit
+def _at16(base, dest, off, valid, PLANAR: tl.constexpr):
+    """fp16 addresses [BLOCK_T] of the field at slot byte `off` (every layout keeps a field's two bytes together,
+    2-byte aligned)."""
+    if PLANAR:
+        return (base + tl.load(dest + off, mask=valid, other=0)) >> 1
+    return (base + off) >> 1
 
 
 @triton.jit
 def _store_kv_tq_kernel(
     # tensors
     key_ptr, value_ptr, cache_u8_ptr, cache_f16_ptr, slot_ptr,
-    rot_ptr, bnd_ptr, cb_ptr,
+    rot_ptr, bnd_ptr, cb_ptr, dest_ptr,
     # sizes and strides (elements of key/value, bytes of the cache)
     num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, row_bytes,
     # layout
     HEAD_DIM: tl.constexpr, SLOT: tl.constexpr, KEY_BITS: tl.constexpr, V_BITS: tl.constexpr,
     V_OFF: tl.constexpr, KNORM_OFF: tl.constexpr, VSCALE_OFF: tl.constexpr, VZERO_OFF: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    # planar pages (turboquant.py): [blocks, kv_heads, PAGE * SLOT], fields in planes; KB0 / VB0: the
-    # bytes of the first key / value code plane (turboquant.code_planes: all of them unless 3-bit)
-    PLANAR: tl.constexpr, PAGE: tl.constexpr, NUM_KV: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-    KB0: tl.constexpr, VB0: tl.constexpr,
+    # planar pages (turboquant.py): [blocks, kv_heads, PAGE * SLOT]; dest_ptr holds, for each token of a
+    # page and each byte of its slot, the byte's place in the page (`turboquant.planar_destinations`)
+    PLANAR: tl.constexpr, PAGE: tl.constexpr, NUM_KV: tl.constexpr,
     # tiling
     BLOCK_T: tl.constexpr,
 ):
@@ -43,27 +60,11 @@ def _store_kv_tq_kernel(
     # int64: a cache of a long batch is larger than 2 GiB
     if PLANAR:
         blk = slot.to(tl.int64) // PAGE
-        pos = slot.to(tl.int64) % PAGE
-        page = (blk * NUM_KV + head) * (PAGE * SLOT)
-        # code planes: 3-bit codes as a 2-bit plane, then a 1-bit plane
-        row = page + pos * KB0  # this token's key bytes (its 2-bit fields for 3-bit keys)
-        row1 = page + PAGE * KB0 + pos * (HEAD_DIM // 8)
-        vrow = page + PAGE * KB + pos * VB0
-        vrow1 = page + PAGE * KB + PAGE * VB0 + pos * (HEAD_DIM // 8)
-        # fp16 planes after the value rows; plane f holds field f of the page's tokens
-        f16 = (page + PAGE * (KB + VB)) // 2 + pos
-        KNORM16: tl.constexpr = 0
-        VSCALE16: tl.constexpr = PAGE if KEY_BITS != 8 else 0
-        VZERO16: tl.constexpr = VSCALE16 + PAGE
+        base = (blk * NUM_KV + head) * (PAGE * SLOT)  # the page
+        dest = dest_ptr + (slot % PAGE) * SLOT  # where the page holds each byte of this token's slot
     else:
-        row = slot.to(tl.int64) * row_bytes + head * SLOT
-        row1 = row + HEAD_DIM // 4
-        vrow = row + V_OFF
-        vrow1 = vrow + HEAD_DIM // 4
-        f16 = row >> 1  # slots and strides are even, so fp16 fields are 2-byte aligned
-        KNORM16: tl.constexpr = KNORM_OFF // 2
-        VSCALE16: tl.constexpr = VSCALE_OFF // 2
-        VZERO16: tl.constexpr = VZERO_OFF // 2
+        base = slot.to(tl.int64) * row_bytes + head * SLOT  # the slot
+        dest = dest_ptr  # unused
     cols = tl.arange(0, HEAD_DIM)
     k_row = key_ptr + offs_t.to(tl.int64)[:, None] * stride_kt + head * stride_kh
     v_row = value_ptr + offs_t.to(tl.int64)[:, None] * stride_vt + head * stride_vh
@@ -73,7 +74,7 @@ def _store_kv_tq_kernel(
     if KEY_BITS == 8:
         k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)  # saturate like vLLM's satfinite cast
         kb = k.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        tl.store(cache_u8_ptr + row[:, None] + cols[None, :], kb, mask=valid[:, None])
+        tl.store(cache_u8_ptr + _at(base, dest, cols, valid, PLANAR), kb, mask=valid[:, None])
     else:
         NCH: tl.constexpr = 2 if KEY_BITS == 4 else 4
         C: tl.constexpr = HEAD_DIM // NCH
@@ -104,12 +105,13 @@ def _store_kv_tq_kernel(
                 hb = tl.reshape((idx >> 2) & 1, [BLOCK_T, 2, E])
                 half = tl.arange(0, 2)
                 plane1 = plane1 | rsum(hb << (half[None, :, None] + 2 * c), axis=1)
-        tl.store(cache_u8_ptr + row[:, None] + cols_c[None, :], packed.to(tl.uint8), mask=valid[:, None])
+        tl.store(cache_u8_ptr + _at(base, dest, cols_c, valid, PLANAR), packed.to(tl.uint8), mask=valid[:, None])
         if KEY_BITS == 3:
-            cols_e = tl.arange(0, E)
-            tl.store(cache_u8_ptr + row1[:, None] + cols_e[None, :], plane1.to(tl.uint8), mask=valid[:, None])
+            cols_e = HEAD_DIM // 4 + tl.arange(0, E)  # the 1-bit plane follows the 2-bit one in the slot
+            tl.store(cache_u8_ptr + _at(base, dest, cols_e, valid, PLANAR), plane1.to(tl.uint8),
+                     mask=valid[:, None])
         stored = knorm / tl.sqrt(csq)
-        tl.store(cache_f16_ptr + f16 + KNORM16, stored.to(tl.float16), mask=valid)
+        tl.store(cache_f16_ptr + _at16(base, dest, KNORM_OFF, valid, PLANAR), stored.to(tl.float16), mask=valid)
 
     # ---- values ----
     LEVELS: tl.constexpr = 2**V_BITS - 1
@@ -138,13 +140,14 @@ def _store_kv_tq_kernel(
             hb = tl.reshape((code >> 2) & 1, [BLOCK_T, 2, VE])
             half = tl.arange(0, 2)
             vplane1 = vplane1 | rsum(hb << (half[None, :, None] + 2 * c), axis=1)
-    tl.store(cache_u8_ptr + vrow[:, None] + cols_v[None, :], vpacked.to(tl.uint8), mask=valid[:, None])
+    tl.store(cache_u8_ptr + _at(base, dest, V_OFF + cols_v, valid, PLANAR), vpacked.to(tl.uint8),
+             mask=valid[:, None])
     if V_BITS == 3:
-        cols_ve = tl.arange(0, VE)
-        tl.store(cache_u8_ptr + vrow1[:, None] + cols_ve[None, :], vplane1.to(tl.uint8),
+        cols_ve = V_OFF + HEAD_DIM // 4 + tl.arange(0, VE)
+        tl.store(cache_u8_ptr + _at(base, dest, cols_ve, valid, PLANAR), vplane1.to(tl.uint8),
                  mask=valid[:, None])
-    tl.store(cache_f16_ptr + f16 + VSCALE16, scale.to(tl.float16), mask=valid)
-    tl.store(cache_f16_ptr + f16 + VZERO16, zero.to(tl.float16), mask=valid)
+    tl.store(cache_f16_ptr + _at16(base, dest, VSCALE_OFF, valid, PLANAR), scale.to(tl.float16), mask=valid)
+    tl.store(cache_f16_ptr + _at16(base, dest, VZERO_OFF, valid, PLANAR), zero.to(tl.float16), mask=valid)
 
 
 def store_kv_tq(
@@ -162,7 +165,6 @@ def store_kv_tq(
         raise ValueError(f"key/value must both be [tokens, kv_heads, head_dim]; got {tuple(key.shape)} and {tuple(value.shape)}")
     t, h, d = key.shape
     lay = tq_layout(fmt, d)
-    planes = code_planes(fmt, d)  # the key's, then the value's
     planar = cache.dim() == 3
     if planar and (cache.dtype != torch.uint8 or cache.shape[1] != h or cache.shape[2] != PLANAR_PAGE * lay.slot_bytes):
         raise ValueError(f"{fmt}: a planar cache must be uint8 [blocks, {h}, {PLANAR_PAGE * lay.slot_bytes}] "
@@ -187,11 +189,10 @@ def store_kv_tq(
     grid = (triton.cdiv(t, block_t), h)
     _store_kv_tq_kernel[grid](
         key, value, cache, cache.view(torch.float16), slot_mapping,
-        tabs["rot_t_f32"], tabs["boundaries_f32"], tabs["codebook_f32"],
+        tabs["rot_t_f32"], tabs["boundaries_f32"], tabs["codebook_f32"], tabs["planar_dest_i32"],
         t, key.stride(0), key.stride(1), value.stride(0), value.stride(1), h * lay.slot_bytes,
         HEAD_DIM=d, SLOT=lay.slot_bytes, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits,
         V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0), VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
         FP8_MAX=FP8_E4M3_MAX, PLANAR=planar, PAGE=PLANAR_PAGE if planar else cache.shape[1], NUM_KV=h,
-        KB=lay.key_bytes, VB=lay.val_bytes, KB0=planes[0][1], VB0=planes[-1 if lay.value_bits != 3 else -2][1],
         BLOCK_T=block_t, num_warps=num_warps,
     )

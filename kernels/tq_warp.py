@@ -11,14 +11,17 @@ pages (`pages_per_warp`: 16-64 tokens) of every 64-, 128- or 256-token tile and 
   4- and 3-bit keys);
 - P_w in the accumulator layout (head g in thread g, tokens 16 pg + {2c, 2c + 1, 8 + 2c, 9 + 2c}) *is* the
   B operand of O_w^T = V_w^T P_w^T (fp16, m16n8k16), and V_w^T is the A operand from registers: each thread
-  loads its tokens' value bytes and turns token pairs into fp16 subnormal pairs with one PRMT per 2 bytes
-  (3-bit values: two, the 2-bit and the 1-bit plane, `v3_pair_program`), so the values never go through
-  shared memory;
+  loads its tokens' value bytes, already paired by the page (below), and turns them into fp16 subnormal
+  pairs by shifts and masks (`v_word_program`, `v3_word_program`), so the values never go through shared
+  memory;
 - the warps' (max, sums, O^T) are merged once, at the end.
 Two pages per warp (twelfth session) double each warp's loads in flight and the MMAs per softmax step: 10-16%
 faster at 128k on both layers, though at head_dim 128 they take 201-208 registers (2 programs per SM); four
-pages at head_dim 64 another 6-9% (253-255 registers). Each thread forms one address per page for its key and
-value rows (`key_layout`, `value_layout`: the rows' register part is an immediate offset), and the pages'
+pages at head_dim 64 another 6-9% (253-255 registers). The pages of these formats hold each plane in this
+kernel's thread order (`turboquant.warp_plane_order`, eighteenth session): each thread reads its key rows, its
+value rows and its fields of a page as one 16-, 8- or 4-byte vector per plane (`block_layout`; 3bit_nc at
+head_dim 64: 16 loads per 128-token tile instead of 38), and its value words arrive with two tokens' bytes
+interleaved (no PRMT). The pages'
 softmax sums can be added in-thread first (`TQGluonConfig.sum_pages`): together another 7% on the gpt-oss
 layer's 4bit_nc (thirteenth session), and room for four pages of 3bit_nc (fourteenth). With
 `TQGluonConfig.mma_sums` (sixteenth) the sums come from one more mma.sync per two pages instead (the
@@ -59,6 +62,7 @@ from kvpolicy.kernels.tq_gluon import (
 from kvpolicy.kernels.turboquant import (
     SELECT,
     SUBNORMAL_UNIT,
+    WARP_ORDER_FORMATS,
     render_ptx,
     rotation_t_signs,
 )
@@ -105,15 +109,6 @@ def field_layout(ppw: int) -> gl.DistributedLinearLayout:
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, ppw, PAGE])
 
 
-def field_word_layout(ppw: int) -> gl.DistributedLinearLayout:
-    """The fp16 fields as 32-bit words of two tokens [warp, page, word] (`TQGluonConfig.mma_sums`): thread c of
-    each lane group holds words c and 4 + c (tokens 2c, 2c + 1 and 8 + 2c, 9 + 2c) of its warp's pages."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 4]] + [[0, 1 << k, 0] for k in range(ppw.bit_length() - 1)],
-        lane_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, ppw, PAGE // 2])
-
-
 def pair_layout(ppw: int) -> gl.DistributedLinearLayout:
     """`score_layout` with each two tokens 2k, 2k + 1 (one register pair there) as one word [warp, head, word]."""
     return gl.DistributedLinearLayout(
@@ -139,51 +134,43 @@ _SUMS_B_ASM = gl.constexpr("{\n.reg .b32 t;\nlop3.b32 t, $1, $3, $5, 0xEA;\nlop3
 """(lo & $3) | (hi & $4) | $5: a B word of the sums MMA from the two zero-point words and the thread's masks."""
 
 
-def v_pair_program() -> list:
-    """Two tokens' value words $8 (token a), $9 (token b) (byte j: dims j (low nibble) and D/2 + j (high)) ->
-    8 words of fp16 subnormal pairs (token a low half, token b high half), 16^u x code x 2^-24: output
-    (q 2 + tt) 2 + u is nibble u of byte 2 q + tt. One PRMT per byte pair, then a shift and 4 ANDs."""
-    prog = []
-    for q, sel in ((0, 0x5410), (1, 0x7632)):
-        prog += [("prmt", "p", "$8", "$9", sel), ("shr", "s", "p", 8)]
-        for tt, src in ((0, "p"), (1, "s")):
-            for u, mask in ((0, 0x000F000F), (1, 0x00F000F0)):
-                prog.append(("and", f"${(q * 2 + tt) * 2 + u}", src, mask))
+def v_word_program() -> list:
+    """A value word $4 of two tokens as the page holds it (`turboquant.warp_plane_order`: byte pair q of token
+    a, then the same pair of token b; byte j holds dims j (low nibble) and D/2 + j (high)) -> 4 words of fp16
+    subnormal pairs (token a low half, token b high half), 16^u x code x 2^-24: output 2 tt + u is nibble u of
+    byte tt of the pair. A shift and 4 ANDs (the page's order saves the PRMT that paired rows loaded apart)."""
+    prog = [("shr", "s", "$4", 8)]
+    for tt, src in ((0, "$4"), (1, "s")):
+        for u, mask in ((0, 0x000F000F), (1, 0x00F000F0)):
+            prog.append(("and", f"${tt * 2 + u}", src, mask))
     return prog
 
 
-_V_PAIR_ASM = gl.constexpr(render_ptx(v_pair_program()))
+_V_WORD_ASM = gl.constexpr(render_ptx(v_word_program()))
 
 
-def v3_pair_program(pairs: int) -> list:
-    """3-bit values of two tokens: $(8 pairs) / $(8 pairs + 1) = the 2-bit plane words of token a / b (byte i,
-    bits 2s and 2s + 1: the low bits of quarter s), $(8 pairs + 2) / + 3 = their 1-bit words shifted so that
-    bit 2s of byte i is the high bit of the same code (`_load_w`) -> 8 words per byte pair (`pairs` = 2: bytes
-    0-3; 1: bytes 0, 1) of fp16 subnormal pairs (token a low half, token b high half), 4^s x code x 2^-24:
-    output (q 2 + tt) 4 + s is quarter s of byte 2 q + tt. Per byte pair two PRMT and three shifts, which put
-    each quarter's high bit at 2s + 2, just above its low bits; then per byte two selects, each the low bits of
-    two quarters that do not touch (0 and 2, or 1 and 3) with the high bits around them, and one mask per
-    output (three ops per two outputs: one select per output, as `turboquant.v3_subnormal_program`, took four)."""
-    a2, b2, a1, b1 = (f"${8 * pairs + i}" for i in range(4))
+def v3_word_program() -> list:
+    """3-bit values of two tokens: $8 = a 2-bit plane word as the page holds it (byte pair q of token a, then
+    of token b; byte i, bits 2s and 2s + 1: the low bits of quarter s), $9 = the 1-bit plane word of the same
+    codes, shifted so that bit 2s of byte i is the high bit of the same code (`_load_w`) -> 8 words of fp16
+    subnormal pairs (token a low half, token b high half), 4^s x code x 2^-24: output 4 tt + s is quarter s of
+    byte tt of the pair. Three shifts put each quarter's high bit at 2s + 2, just above its low bits; then per
+    byte two selects, each the low bits of two quarters that do not touch (0 and 2, or 1 and 3) with the high
+    bits around them, and one mask per output (three ops per two outputs: one select per output, as
+    `turboquant.v3_subnormal_program`, took four)."""
     low02 = 0x33333333  # bits 2s, 2s + 1 of quarters 0 and 2 of every byte
-    prog = []
-    for q, sel in [(0, 0x5410), (1, 0x7632)][:pairs]:
-        prog += [("prmt", "p", a2, b2, sel), ("prmt", "h", a1, b1, sel), ("shr", "p1", "p", 8),
-                 ("shl", "h0", "h", 2),  # byte 2q's high bits from 2s to 2s + 2
-                 ("shr", "h1", "h", 6)]  # byte 2q + 1's: bit 8 + 2s to 2s + 2 (a left shift would lose bit 30)
-        for tt, (lo, hi) in ((0, ("p", "h0")), (1, ("p1", "h1"))):
-            prog += [("lop3", "y02", lo, hi, low02, SELECT),  # quarters 0, 2: bits 0-2 and 4-6
-                     ("lop3", "y13", hi, lo, low02, SELECT)]  # quarters 1, 3: bits 2-4 and 6-8
-            for s_ in range(4):
-                prog.append(("and", f"${(q * 2 + tt) * 4 + s_}", "y13" if s_ % 2 else "y02",
-                             (0x7 << (2 * s_)) * 0x00010001))
+    prog = [("shr", "p1", "$8", 8),
+            ("shl", "h0", "$9", 2),  # byte 0's high bits from 2s to 2s + 2
+            ("shr", "h1", "$9", 6)]  # byte 1's: bit 8 + 2s to 2s + 2 (a left shift would lose bit 30)
+    for tt, (lo, hi) in ((0, ("$8", "h0")), (1, ("p1", "h1"))):
+        prog += [("lop3", "y02", lo, hi, low02, SELECT),  # quarters 0, 2: bits 0-2 and 4-6
+                 ("lop3", "y13", hi, lo, low02, SELECT)]  # quarters 1, 3: bits 2-4 and 6-8
+        for s_ in range(4):
+            prog.append(("and", f"${tt * 4 + s_}", "y13" if s_ % 2 else "y02", (0x7 << (2 * s_)) * 0x00010001))
     return prog
 
 
-_V3_PAIR_ASM_128 = gl.constexpr(render_ptx(v3_pair_program(2)))
-_V3_PAIR_ASM_64 = gl.constexpr(render_ptx(v3_pair_program(1)))
-_V3_CONSTRAINTS_128 = gl.constexpr("=r," * 16 + "r,r,r,r")
-_V3_CONSTRAINTS_64 = gl.constexpr("=r," * 8 + "r,r,r,r")
+_V3_WORD_ASM = gl.constexpr(render_ptx(v3_word_program()))
 
 
 def rescale_ptx(n: int) -> str:
@@ -205,31 +192,24 @@ _RESCALE_CONSTRAINTS_128 = gl.constexpr(",".join(["=f"] * 32 + ["f"] * 64))
 _RESCALE_CONSTRAINTS_64 = gl.constexpr(",".join(["=f"] * 16 + ["f"] * 32))
 
 
-def key_layout(key_bytes: int, ppw: int) -> gl.DistributedLinearLayout:
-    """Key code words of one plane [warp, page, r8, r, key_bytes / 4] (row 8 r8 + r of each page; `tq_gluon.key_layout`
-    with the token axis split): each thread a contiguous quarter of rows r, r + 8 of each of its warp's pages.
-    r8 holds only a register bit, so row + 8 is a constant offset (`_load_w`)."""
-    cw = key_bytes // 16
+def block_layout(ppw: int, words: int) -> gl.DistributedLinearLayout:
+    """A plane's words as each thread loads them [warp, page, g, c, words]: thread 4 g + c of warp w its block
+    of `words` contiguous words (`turboquant.warp_plane_order`: the block of lane group g (keys: rows g and
+    g + 8; values: byte group g) and thread c) of each of its warp's pages, one 16-, 8- or 4-byte vector."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 0, 1 << k] for k in range(cw.bit_length() - 1)] + [[0, 0, 1, 0, 0]]
+        reg_bases=[[0, 0, 0, 0, 1 << k] for k in range(words.bit_length() - 1)]
         + [[0, 1 << k, 0, 0, 0] for k in range(ppw.bit_length() - 1)],
-        lane_bases=[[0, 0, 0, 0, cw], [0, 0, 0, 0, 2 * cw], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 0, 4, 0]],
-        warp_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], block_bases=[], shape=[4, ppw, 2, 8, key_bytes // 4])
+        lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 0, 4, 0, 0]],
+        warp_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], block_bases=[], shape=[4, ppw, 8, 4, words])
 
 
-def value_layout(head_dim: int, ppw: int) -> gl.DistributedLinearLayout:
-    """Value code words [warp, page, r8, c, r1, D/8] (row 8 r8 + 2 c + r1 of each page): thread (g, c) holds
-    words [E g, E g + E) (E = D/64: its 8 or 4 bytes) of rows {2c, 2c + 1, 8 + 2c, 9 + 2c} of each of its warp's
-    pages, the tokens of its P^T B-operand rows. The register-only axes r8 and r1 are their own dims so that
-    each register's row offset is a constant: one address per thread and page, the rows as immediates (with
-    one row axis ptxas formed four 64-bit addresses per page)."""
-    e = head_dim // 64
+def field_block_layout(ppw: int) -> gl.DistributedLinearLayout:
+    """An fp16 field plane's words [warp, page, c, r8] (`TQGluonConfig.mma_sums`): thread c of each lane group
+    the words of tokens 2c, 2c + 1 and 8 + 2c, 9 + 2c, together in the page (`turboquant.warp_plane_order`)."""
     return gl.DistributedLinearLayout(
-        reg_bases=([[0, 0, 0, 0, 0, 1]] if e == 2 else []) + [[0, 0, 0, 0, 1, 0], [0, 0, 1, 0, 0, 0]]
-        + [[0, 1 << k, 0, 0, 0, 0] for k in range(ppw.bit_length() - 1)],
-        lane_bases=[[0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0], [0, 0, 0, 0, 0, e], [0, 0, 0, 0, 0, 2 * e],
-                    [0, 0, 0, 0, 0, 4 * e]],
-        warp_bases=[[1, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0]], block_bases=[], shape=[4, ppw, 2, 4, 2, head_dim // 8])
+        reg_bases=[[0, 0, 0, 1]] + [[0, 1 << k, 0, 0] for k in range(ppw.bit_length() - 1)],
+        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]],
+        warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, ppw, 4, 2])
 
 
 @gluon.constexpr_function
@@ -261,9 +241,10 @@ def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, s
     (the softmax sums then take `SUM_LAYOUT`, else the score layout)."""
     ppw = pages_per_warp(block_n)
     v_shape, v_order = value_axes(head_dim, value_bits, ppw)
-    return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=key_layout(key_bytes, ppw),
-                V_LAYOUT=value_layout(head_dim if value_bits == 4 else 64, ppw), V_SHAPE=v_shape, V_ORDER=v_order,
-                SUM_PAGES=sum_pages and ppw > 1 and not mma_sums, MMA_SUMS=mma_sums, FW=field_word_layout(ppw),
+    return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=block_layout(ppw, key_bytes // 8),
+                V_LAYOUT=block_layout(ppw, head_dim // (16 if value_bits == 4 else 32)), V_SHAPE=v_shape,
+                V_ORDER=v_order, SUM_PAGES=sum_pages and ppw > 1 and not mma_sums, MMA_SUMS=mma_sums,
+                FW=field_block_layout(ppw),
                 XP=pair_layout(ppw), SB=sums_b_layout(ppw) if ppw > 1 else None)
 
 
@@ -322,43 +303,30 @@ def _halves(w):
 
 @gluon.jit
 def _values_operand(vc, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr):
-    """Value code words [BN, D/8] (`value_layout` flattened) -> the fp16 A operand V_w^T [4, D, BN/4] of exact
-    subnormals (16^u x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row`, column = the warp's token
-    16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
-    a, b = gl.split(gl.permute(gl.reshape(vc, [BN // 2, 2, HEAD_DIM // 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
-    o = gl.inline_asm_elementwise(_V_PAIR_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [a, b], dtype=(gl.int32,) * 8,
-                                  is_pure=True, pack=1)
-    # output (q 2 + tt) 2 + u; its halves (token a, token b) as the innermost axis hh. `join` adds its axis
-    # last, so the nesting below puts the axes in the order (hh, u, tt, q) after the pair and word axes.
-    y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
-                gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
-    y = gl.permute(gl.reshape(y, V_SHAPE.value), V_ORDER.value)
+    """Value words [BN/2, 8, D/32] (`_load_w`: token pair, thread g, byte pair) -> the fp16 A operand V_w^T
+    [4, D, BN/4] of exact subnormals (16^u x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row`, column = the
+    warp's token 16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
+    vc = gl.reshape(vc, [BN // 2, HEAD_DIM // 8, 2])  # thread g's word e = byte pairs 2e, 2e + 1
+    o = gl.inline_asm_elementwise(_V_WORD_ASM, "=r,=r,=r,=r,r", [vc], dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    # output 2 tt + u; its halves (token a, token b) as the innermost axis hh. `join` adds its axis last, so
+    # the nesting gives the axes (q, hh, u, tt) after the pair and word axes; the byte pair q goes last.
+    y = gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3])))
+    y = gl.permute(gl.reshape(gl.permute(y, (0, 1, 3, 4, 5, 2)), V_SHAPE.value), V_ORDER.value)
     return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, BN // 4]), VA)
 
 
 @gluon.jit
 def _values_operand3(v2, v1, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr,
                      V_ORDER: gl.constexpr):
-    """3-bit value words [BN, 8] (`value_layout(64)` flattened; `_load_w`) -> the fp16 A operand V_w^T
-    [4, D, BN/4] of exact subnormals (4^s x code x 2^-24), row 16 t + 8 u + g = dim `dim_of_row(D, 3)`, column
-    = the warp's token 16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
-    a2, b2 = gl.split(gl.permute(gl.reshape(v2, [BN // 2, 2, 8]), (0, 2, 1)))  # tokens 2k, 2k + 1
-    a1, b1 = gl.split(gl.permute(gl.reshape(v1, [BN // 2, 2, 8]), (0, 2, 1)))
-    if HEAD_DIM == 128:
-        o = gl.inline_asm_elementwise(_V3_PAIR_ASM_128, _V3_CONSTRAINTS_128, [a2, b2, a1, b1],
-                                      dtype=(gl.int32,) * 16, is_pure=True, pack=1)
-        # output (q 2 + tt) 4 + s; the nested joins give the axes (hh, s0, s1, tt, q) after the pair and g axes
-        y0 = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
-                     gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
-        y1 = gl.join(gl.join(gl.join(_halves(o[8]), _halves(o[9])), gl.join(_halves(o[10]), _halves(o[11]))),
-                     gl.join(gl.join(_halves(o[12]), _halves(o[13])), gl.join(_halves(o[14]), _halves(o[15]))))
-        y = gl.join(y0, y1)
-    else:
-        o = gl.inline_asm_elementwise(_V3_PAIR_ASM_64, _V3_CONSTRAINTS_64, [a2, b2, a1, b1],
-                                      dtype=(gl.int32,) * 8, is_pure=True, pack=1)
-        y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
-                    gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
-    y = gl.permute(gl.reshape(y, V_SHAPE.value), V_ORDER.value)
+    """3-bit value words [BN/2, 8, D/64] (`_load_w`: token pair, thread g, byte pair; the 2-bit plane's and the
+    shifted 1-bit plane's) -> the fp16 A operand V_w^T [4, D, BN/4] of exact subnormals (4^s x code x 2^-24),
+    row 16 t + 8 u + g = dim `dim_of_row(D, 3)`, column = the warp's token 16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
+    o = gl.inline_asm_elementwise(_V3_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [v2, v1], dtype=(gl.int32,) * 8,
+                                  is_pure=True, pack=1)
+    # output 4 tt + s: the nested joins give the axes (q, hh, s0, s1, tt) after the pair and g axes; q goes last
+    y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
+                gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
+    y = gl.permute(gl.reshape(gl.permute(y, (0, 1, 3, 4, 5, 6, 2)), V_SHAPE.value), V_ORDER.value)
     return gl.convert_layout(gl.reshape(y, [4, HEAD_DIM, BN // 4]), VA)
 
 
@@ -373,71 +341,83 @@ def _pages_w(bt_row, tile, seq_len, PPW: gl.constexpr, FL: gl.constexpr):
 
 
 @gluon.jit
+def _key_words(x, BN: gl.constexpr, CW: gl.constexpr):
+    """A key plane's blocks [4, PPW, r, c, 2 CW] -> words [BN, 4 CW] (token 16 (PPW w + pg) + 8 r8 + r, word
+    CW c + k), the order `_keys_operand` reads."""
+    y = gl.permute(gl.reshape(x, [4, BN // 64, 8, 4, 2, CW]), (0, 1, 4, 2, 3, 5))
+    return gl.reshape(y, [BN, 4 * CW])
+
+
+@gluon.jit
+def _value_words(x, BN: gl.constexpr):
+    """A value plane's blocks [4, PPW, g, c, NV] (NV = 2 Q words: r8, then byte pair q) -> [BN/2, 8, Q] (token
+    pair 8 (PPW w + pg) + 4 r8 + c, thread group g, byte pair), the order `_values_operand` reads."""
+    NV: gl.constexpr = x.shape[4]
+    y = gl.permute(gl.reshape(x, [4, BN // 64, 8, 4, 2, NV // 2]), (0, 1, 4, 3, 2, 5))
+    return gl.reshape(y, [BN // 2, 8, NV // 2])
+
+
+@gluon.jit
+def _field_words(x, BN: gl.constexpr):
+    """A field plane's blocks [4, PPW, c, r8] -> words [4, BN/8] (word 8 pg + 4 r8 + c of warp w)."""
+    return gl.reshape(gl.permute(x, (0, 1, 3, 2)), [4, BN // 8])
+
+
+@gluon.jit
 def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
             VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr,
             FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, MMA_SUMS: gl.constexpr,
             FW: gl.constexpr, XP: gl.constexpr):
-    """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (`key_layout`
-    flattened; 3-bit keys also the matching 1-bit words, as `tq_gluon._plane_words`, else 0), value code words
-    (4-bit: [BN, D/8], `value_layout`; 3-bit: [BN, 8], a word of the 2-bit plane and one of the 1-bit plane per
-    thread and token, else 0), the fp16 fields [4, BN/4] in fp32 in the score columns' layout (MMA_SUMS: the
-    words of two tokens [4, BN/8] as loaded, in `pair_layout`'s columns: carried through the loop as words,
-    they need no repacking for the f16x2 instructions)."""
+    """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (3-bit keys also the
+    matching 1-bit words, as `tq_gluon._plane_words`, else 0), value words [BN/2, 8, Q] of two tokens each
+    (`_value_words`; 3-bit values also the shifted 1-bit words, else 0), the fp16 fields [4, BN/4] in fp32 in
+    the score columns' layout (MMA_SUMS: the words of two tokens [4, BN/8] as loaded, in `pair_layout`'s
+    columns: carried through the loop as words, they need no repacking for the f16x2 instructions)."""
     base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
-    # keys: rows r, r + 8 of each of the warp's pages, a quarter row per thread. Each address adds the lane's
-    # part (row r, word) first and the register's constant (row + 8) last: with the row as one index LLVM
-    # turns 8 r8 + r into an `or` and ptxas forms one 64-bit address per row instead of an immediate offset.
+    # Each plane holds every thread's words of a page as one block (`turboquant.warp_plane_order`): one vector
+    # load per thread, page and plane, reshaped here to the words' old [token, word] order.
+    # keys: thread (r, c)'s quarter c of rows r and r + 8, CW words each
+    CW: gl.constexpr = KBM // 16
     kb = gl.convert_layout(base, sliced(K_LAYOUT, (0, 1), 5))[:, :, None, None, None]
-    k8 = gl.arange(0, 2, layout=sliced(K_LAYOUT, (2,), 5))[None, None, :, None, None]
-    kr = gl.arange(0, 8, layout=sliced(K_LAYOUT, (3,), 5))[None, None, None, :, None]
-    kw = gl.arange(0, KBM // 4, layout=sliced(K_LAYOUT, (4,), 5))[None, None, None, None, :]
-    kc = gl.reshape(gl.load(cache32_ptr + kb + (kr * (KBM // 4) + kw) + k8 * (8 * (KBM // 4))), [BN, KBM // 4])
+    kr = gl.arange(0, 8, layout=sliced(K_LAYOUT, (2,), 5))[None, None, :, None, None]
+    kq = gl.arange(0, 4, layout=sliced(K_LAYOUT, (3,), 5))[None, None, None, :, None]
+    kv = gl.arange(0, 2 * CW, layout=sliced(K_LAYOUT, (4,), 5))[None, None, None, None, :]
+    kc = _key_words(gl.load(cache32_ptr + kb + ((kq * 8 + kr) * (2 * CW) + kv)), BN, CW)
     ks = 0
     if KEY_BITS == 3:
-        # word c of the 2-bit row goes with 1-bit word c mod W, shifted by c // W (W = D/32 words per row)
-        W1: gl.constexpr = HEAD_DIM // 32
-        ks = gl.load(cache32_ptr + kb + 4 * KBM + (kr * W1 + kw % W1) + k8 * (8 * W1)) >> (kw // W1)
-        ks = gl.reshape(ks, [BN, KBM // 4])
-    # values: rows 2c, 2c + 1, 8 + 2c, 9 + 2c of each of the warp's pages, thread g's D/16 bytes
-    vb = gl.convert_layout(base, sliced(V_LAYOUT, (0, 1), 6))[:, :, None, None, None, None]
-    r8 = gl.arange(0, 2, layout=sliced(V_LAYOUT, (2,), 6))[None, None, :, None, None, None]
-    r2 = gl.arange(0, 4, layout=sliced(V_LAYOUT, (3,), 6))[None, None, None, :, None, None]
-    r1 = gl.arange(0, 2, layout=sliced(V_LAYOUT, (4,), 6))[None, None, None, None, :, None]
-    # row = 2 c + (8 r8 + r1): the lane's part goes into the address first and the register's constant last (as
-    # the keys'), so that each row is an immediate offset of one address per page
-    lane_rows = r2 * 2
-    reg_rows = r8 * 8 + r1
-    vw = gl.arange(0, V_LAYOUT.shape[5], layout=sliced(V_LAYOUT, (5,), 6))[None, None, None, None, None, :]
+        # the 1-bit plane: block c mod 2 of rows r and r + 8 (the same CW words per row), shifted by c // 2 so
+        # that it lines up with the 2-bit words (`tq_gluon._plane_words`)
+        ks = gl.load(cache32_ptr + kb + 4 * KBM + (((kq % 2) * 8 + kr) * (2 * CW) + kv)) >> (kq // 2)
+        ks = _key_words(ks, BN, CW)
+    # values: thread (g, c)'s bytes of rows 2c, 2c + 1, 8 + 2c, 9 + 2c, as words of a byte pair of two tokens
+    NV: gl.constexpr = V_LAYOUT.shape[4]
+    vb = gl.convert_layout(base, sliced(V_LAYOUT, (0, 1), 5))[:, :, None, None, None] + 4 * KB
+    vg = gl.arange(0, 8, layout=sliced(V_LAYOUT, (2,), 5))[None, None, :, None, None]
+    vq = gl.arange(0, 4, layout=sliced(V_LAYOUT, (3,), 5))[None, None, None, :, None]
+    vv = gl.arange(0, NV, layout=sliced(V_LAYOUT, (4,), 5))[None, None, None, None, :]
+    vc = _value_words(gl.load(cache32_ptr + vb + ((vg * 4 + vq) * NV + vv)), BN)
     vh = 0
-    if V_BITS == 4:
-        vc = gl.load(cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + vw) + reg_rows * (VBM // 4))
-        vc = gl.reshape(vc, [BN, VBM // 4])
-    else:
-        # thread g: the D/32 bytes of the 2-bit plane from byte j = g D/32 (word j / 4, from its byte j % 4),
-        # and the 1-bit word of the same codes shifted into place (`tq_gluon._plane_words`), both moved down
-        # by j % 4 bytes (D 64: threads 2k and 2k + 1 share a word). Signed shifts: the bits above are unused.
-        WV: gl.constexpr = HEAD_DIM // 32
-        j = vw * (HEAD_DIM // 32)
-        c = j // 4
-        vc = gl.load(cache32_ptr + vb + 4 * KB + (lane_rows * (VBM // 4) + c) + reg_rows * (VBM // 4)) >> (8 * (j % 4))
-        vh = gl.load(cache32_ptr + vb + 4 * (KB + VBM) + (lane_rows * WV + c % WV) + reg_rows * WV)
-        vh = vh >> (c // WV + 8 * (j % 4))
-        vc = gl.reshape(vc, [BN, 8])
-        vh = gl.reshape(vh, [BN, 8])
+    if V_BITS == 3:
+        # the 1-bit plane: threads g and g + 4 share the block of g mod 4, shifted by g // 4 into place
+        vh = gl.load(cache32_ptr + vb + 4 * VBM + (((vg % 4) * 4 + vq) * NV + vv)) >> (vg // 4)
+        vh = _value_words(vh, BN)
 
     # fields of the tokens in the score's columns (planes of 16 halves per page)
     if MMA_SUMS:
-        tw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, FW)))
-        wb = gl.convert_layout(base, gl.SliceLayout(2, FW)) + 4 * (KB + VB)  # the knorm plane's first word
-        fw = cache32_ptr + wb[:, :, None] + tw[None, None, :]
+        # thread c: the words of tokens 2c, 2c + 1 and 8 + 2c, 9 + 2c, together
+        wb = gl.convert_layout(base, sliced(FW, (0, 1), 4))[:, :, None, None] + 4 * (KB + VB)
+        fq = gl.arange(0, 4, layout=sliced(FW, (2,), 4))[None, None, :, None]
+        fr = gl.arange(0, 2, layout=sliced(FW, (3,), 4))[None, None, None, :]
+        fw = cache32_ptr + wb + (fq * 2 + fr)
         wl: gl.constexpr = gl.SliceLayout(1, XP)
-        knorm = gl.convert_layout(gl.reshape(gl.load(fw), [4, BN // 8]), wl)
-        vscale = gl.convert_layout(gl.reshape(gl.load(fw + 8 * (NF - 2)), [4, BN // 8]), wl)
-        vzero = gl.convert_layout(gl.reshape(gl.load(fw + 8 * (NF - 1)), [4, BN // 8]), wl)
+        knorm = gl.convert_layout(_field_words(gl.load(fw), BN), wl)
+        vscale = gl.convert_layout(_field_words(gl.load(fw + 8 * (NF - 2)), BN), wl)
+        vzero = gl.convert_layout(_field_words(gl.load(fw + 8 * (NF - 1)), BN), wl)
     else:
         tk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, FL)))
-        f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, :, None] + tk[None, None, :]
+        at = ((tk % 8) // 2 * 2 + tk // 8) * 2 + tk % 2  # token tk's half in the plane
+        f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, :, None] + at[None, None, :]
         knorm = _field(f, BN, XL)
         vscale = _field(f + 16 * (NF - 2), BN, XL)
         vzero = _field(f + 16 * (NF - 1), BN, XL)
@@ -766,8 +746,9 @@ def _tq_warp_kernel(
                   part_lse_ptr, stride_ob, stride_oh, NUM_KV, GROUP, HEAD_DIM, HAS_SINKS, IS_SPLIT)
 
 
-FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-"""Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values."""
+FORMATS = WARP_ORDER_FORMATS
+"""Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values, their planar pages in this
+kernel's order (`turboquant.warp_plane_order`)."""
 REGISTERS = {"turboquant_4bit_nc": {(64, 64): 94, (64, 128): 150, (64, 256): 216, (128, 64): 145, (128, 128): 197},
              "turboquant_k3v4_nc": {(64, 64): 95, (64, 128): 153, (64, 256): 246, (128, 64): 145, (128, 128): 197},
              "turboquant_3bit_nc": {(64, 64): 115, (64, 128): 158, (64, 256): 255, (128, 64): 147,

@@ -239,6 +239,8 @@ def _kernel_tables_cpu(fmt: str, head_dim: int) -> dict[str, torch.Tensor]:
         "boundaries_f32": codebook_boundaries(cb).to(torch.float32),
         "rot_t_f32": hadamard_rotation(head_dim).T.contiguous().to(torch.float32),
         "rot_t_sign_f16": rotation_t_signs(head_dim),
+        # store into planar pages: each (token of a page, slot byte)'s place in the page
+        "planar_dest_i32": planar_destinations(fmt, head_dim).to(torch.int32).reshape(-1),
     }
 
 
@@ -302,16 +304,59 @@ def field_planes(fmt: str, head_dim: int) -> tuple[int, ...]:
     return ((lay.knorm_off,) if not lay.key_fp8 else ()) + (lay.vscale_off, lay.vzero_off)
 
 
+WARP_ORDER_FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+"""Formats whose planar pages hold each plane in the per-warp kernel's thread order (`warp_plane_order`)."""
+
+
+def warp_plane_order(kind: str, nbytes: int) -> torch.Tensor:
+    """[PLANAR_PAGE, nbytes]: where in its plane each byte of each token's part goes, for the per-warp kernel
+    (`tq_warp._load_w`), which then reads each thread's bytes of a page as one or two 16-, 8- or 4-byte
+    vectors instead of one word per row (and gets the value bytes of two tokens already interleaved).
+    Tokens t = 8 r8 + r = 8 r8 + 2 c + r1 (c the thread in its lane group, r the lane group):
+    - "key" (4-bit codes or the 2-bit plane, words of `cw` = nbytes / 16 per quarter row): thread (r, c)'s
+      quarter c of rows r and r + 8, together;
+    - "key1" (the 1-bit plane of 3-bit keys, the words of the 2-bit plane's quarters c and c + 2 of a row):
+      half c mod 2 of rows r and r + 8, together;
+    - "value" (4-bit codes or the 2-bit plane: group g = the thread's nbytes / 8 bytes; "value1", the 1-bit
+      plane: group u of nbytes / 4 bytes, shared by threads u and u + 4) and "field" (one fp16, one group):
+      the group's bytes of rows 2c, 2c + 1, 8 + 2c, 9 + 2c, together, as words that each hold byte pair q
+      of token 2c + 8 r8 and then the same pair of token 2c + 8 r8 + 1."""
+    t = torch.arange(PLANAR_PAGE)[:, None]
+    b = torch.arange(nbytes)[None, :]
+    r, r8, c, r1 = t % 8, t // 8, (t % 8) // 2, t % 2
+    if kind in ("key", "key1"):
+        cw = nbytes // (16 if kind == "key" else 8)
+        w = b // 4
+        return 4 * (((w // cw * 8 + r) * 2 + r8) * cw + w % cw) + b % 4
+    group = {"value": nbytes // 8, "value1": nbytes // 4, "field": 2}[kind]
+    g, q, y = b // group, (b % group) // 2, b % 2
+    return (((((g * 4 + c) * 2 + r8) * (group // 2) + q) * 2 + r1) * 2) + y
+
+
+def _plane_kinds(fmt: str, head_dim: int) -> list[str]:
+    """`warp_plane_order`'s kind of each code plane (`code_planes` order)."""
+    lay = tq_layout(fmt, head_dim)
+    return (["key", "key1"] if lay.key_bits == 3 else ["key"]) + (["value", "value1"] if lay.value_bits == 3
+                                                                   else ["value"])
+
+
 @functools.lru_cache(maxsize=None)
 def _planar_source(fmt: str, head_dim: int, block_size: int) -> torch.Tensor:
     """For every byte of a planar page, its source in the page's slots laid out token-major
-    (token * slot_bytes + byte): the permutation between the two layouts."""
+    (token * slot_bytes + byte): the permutation between the two layouts. Within each plane the tokens' rows
+    follow one another, or, for `WARP_ORDER_FORMATS`, `warp_plane_order`."""
     lay = tq_layout(fmt, head_dim)
     tok = torch.arange(block_size)
-    parts = [(tok[:, None] * lay.slot_bytes + off + torch.arange(n)[None, :]).reshape(-1)
-             for off, n in code_planes(fmt, head_dim)]
-    for off in field_planes(fmt, head_dim):
-        parts.append((tok[:, None] * lay.slot_bytes + off + torch.arange(2)[None, :]).reshape(-1))
+    planes = [(off, n) for off, n in code_planes(fmt, head_dim)] + [(off, 2) for off in field_planes(fmt, head_dim)]
+    kinds = _plane_kinds(fmt, head_dim) + ["field"] * len(field_planes(fmt, head_dim))
+    parts = []
+    for (off, n), kind in zip(planes, kinds):
+        src = (tok[:, None] * lay.slot_bytes + off + torch.arange(n)[None, :])
+        if fmt in WARP_ORDER_FORMATS and block_size == PLANAR_PAGE:
+            part = torch.empty(block_size * n, dtype=torch.long)
+            part[warp_plane_order(kind, n).reshape(-1)] = src.reshape(-1)
+            src = part
+        parts.append(src.reshape(-1))
     used = lay.vscale_off + 4
     if lay.slot_bytes > used:
         parts.append((tok[:, None] * lay.slot_bytes + used + torch.arange(lay.slot_bytes - used)[None, :]).reshape(-1))

@@ -10,10 +10,12 @@ import pytest
 import torch
 from test_tq_decode import TOL_SAME_CACHE, _rel, _run
 
-from kvpolicy.kernels.turboquant import TQ_FORMATS
+from kvpolicy.kernels.turboquant import TQ_FORMATS, WARP_ORDER_FORMATS
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 GLUON_FORMATS = list(TQ_FORMATS)
+WARPGROUP_FORMATS = [f for f in TQ_FORMATS if f not in WARP_ORDER_FORMATS]
+"""The warpgroup kernel's formats: the others' pages are in the per-warp kernel's order."""
 hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is written for sm_90")
 
 
@@ -45,7 +47,7 @@ def _check_config(cfg, fmt: str, device: str, monkeypatch: pytest.MonkeyPatch, d
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", GLUON_FORMATS)
+@pytest.mark.parametrize("fmt", WARPGROUP_FORMATS)
 @pytest.mark.parametrize("d, hq", SHAPES)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("tile", [64, 128])
@@ -60,7 +62,7 @@ def test_gluon_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool,
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("fmt", WARPGROUP_FORMATS)
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("tile", [64, 128])
 def test_gluon_lazy_max_redoes_tiles_where_scores_rise(fmt: str, lazy: bool, tile: int, device: str,
@@ -241,7 +243,7 @@ def test_per_warp_lazy_max_rescales_a_lone_rising_head(fmt: str, d: int, block_n
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("fmt", WARPGROUP_FORMATS)
 def test_gluon_pages_one_tile_ahead_matches_reference(fmt: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`TQGluonConfig.pages_ahead` 1 (the block table read one tile ahead, as before) in the warpgroup kernel."""
     from kvpolicy.kernels import tq_gluon

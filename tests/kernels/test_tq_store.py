@@ -177,12 +177,14 @@ def test_store_gpu_random_keys_and_bf16_input(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", TQ_FORMATS)
-def test_store_writes_planar_pages(fmt: str, device: str) -> None:
-    """The store kernel writes a planar cache byte for byte as the slot layout, permuted by the planar map;
-    bytes of slots it does not touch stay as they were."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_store_writes_planar_pages(fmt: str, d: int, device: str) -> None:
+    """The store kernel writes a planar cache byte for byte as the slot layout, permuted by the planar map
+    (rows in order, or the per-warp kernel's order: `turboquant.warp_plane_order`); bytes of slots it does not
+    touch stay as they were."""
     from kvpolicy.kernels.turboquant import allocate_tq_planar_cache, planar_from_slots
 
-    d, h = 64, 2
+    h = 2
     key, value = torch.randn(21, h, d), torch.randn(21, h, d)
     slots = torch.randperm(3 * 16)[:21]
     slots[4] = -1  # skipped

@@ -9,16 +9,16 @@ import pytest
 import torch
 from kvpolicy.kernels.tq_reference import _pack_codes, emulate_ptx
 from kvpolicy.kernels.tq_warp import (
+    block_layout,
     dim_of_row,
-    key_layout,
     pages_per_warp,
     rotation_operand,
-    v3_pair_program,
-    v_pair_program,
+    v3_word_program,
+    v_word_program,
     value_axes,
-    value_layout,
     value_unit,
 )
+from kvpolicy.kernels.turboquant import warp_plane_order
 
 
 def _halves(o: torch.Tensor) -> torch.Tensor:
@@ -42,94 +42,114 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
     return b[..., 0::4] | b[..., 1::4] << 8 | b[..., 2::4] << 16 | b[..., 3::4] << 24
 
 
-def test_v_pair_program_pairs_two_tokens_per_register() -> None:
-    """Output (q 2 + tt) 2 + u holds nibble u of byte 2 q + tt of token a (low half) and of token b (high
+def _plane_words(tile_bytes: torch.Tensor, kind: str) -> torch.Tensor:
+    """A tile's bytes of one plane per token [n, nbytes] -> each page's plane as the cache holds it
+    (`turboquant.warp_plane_order`), as words [n / 16 pages, 4 nbytes]."""
+    n, nb = tile_bytes.shape
+    order = warp_plane_order(kind, nb).reshape(-1)
+    pages = torch.empty(n // 16, 16 * nb, dtype=torch.uint8)
+    pages[:, order] = tile_bytes.reshape(n // 16, 16 * nb)
+    return _words(pages)
+
+
+def _load_blocks(plane: torch.Tensor, ppw: int, nv: int, block) -> torch.Tensor:
+    """`_load_w`'s vector loads: [4, ppw, 8, 4, nv] = word block(i, c) nv + v of page ppw w + pg, where i is the
+    lane group (`block_layout`)."""
+    w, pg, i, c, v = torch.meshgrid(*(torch.arange(k) for k in (4, ppw, 8, 4, nv)), indexing="ij")
+    return plane[w * ppw + pg, block(i, c) * nv + v]
+
+
+def _value_words(x: torch.Tensor, bn: int) -> torch.Tensor:
+    """`tq_warp._value_words`."""
+    nv = x.shape[4]
+    return x.reshape(4, bn // 64, 8, 4, 2, nv // 2).permute(0, 1, 4, 3, 2, 5).reshape(bn // 2, 8, nv // 2)
+
+
+def test_v_word_program_splits_a_pair_word_into_subnormal_pairs() -> None:
+    """Output 2 tt + u holds nibble u of byte tt of token a (the word's low half) and of token b (its high
     half), times 16^u: exact fp16 subnormals (their bits are the code times 16^u, below 1024)."""
-    a, b = (torch.randint(0, 2**32, (256,), dtype=torch.int64) for _ in range(2))
-    regs = emulate_ptx(v_pair_program(), {"$8": a, "$9": b})
-    for q in range(2):
-        for tt in range(2):
-            byte = 2 * q + tt
-            for u in range(2):
-                out = regs[f"${(q * 2 + tt) * 2 + u}"]
-                for half, word in ((0, a), (1, b)):
-                    nib = (word >> (8 * byte + 4 * u)) & 15
-                    assert torch.equal((out >> (16 * half)) & 0xFFFF, nib << (4 * u))
+    p = torch.randint(0, 2**32, (256,), dtype=torch.int64)
+    regs = emulate_ptx(v_word_program(), {"$4": p})
+    for tt in range(2):
+        for u in range(2):
+            out = regs[f"${tt * 2 + u}"]
+            for half in range(2):
+                nib = (p >> (16 * half + 8 * tt + 4 * u)) & 15
+                assert torch.equal((out >> (16 * half)) & 0xFFFF, nib << (4 * u))
 
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("ppw", [1, 2, 4])
 def test_values_operand_holds_each_tokens_codes_in_row_order(d: int, ppw: int) -> None:
-    """`_values_operand`'s steps on a tile of packed value codes (4 warps x `ppw` pages): element [w, m, k] of
-    V_w^T is the warp's token k (tile token 16 ppw w + k) code of dim `dim_of_row(d)[m]`, times 16^u
-    (u = (m // 8) % 2, the high nibbles)."""
+    """From the pages' bytes to V_w^T, as `_load_w` and `_values_operand` do it: element [w, m, k] of V_w^T is
+    the warp's token k (tile token 16 ppw w + k) code of dim `dim_of_row(d)[m]`, times 16^u (u = (m // 8) % 2,
+    the high nibbles)."""
     assert torch.equal(dim_of_row(d).sort().values, torch.arange(d))
     n = 64 * ppw
     codes = torch.randint(0, 16, (n, d))
-    vc = _words(_pack_codes(codes, 4))  # [n, d/8]: the cache's value plane rows
-    a, b = vc[0::2], vc[1::2]  # reshape [n/2, 2, d/8], permute, split: tokens 2p and 2p + 1
-    regs = emulate_ptx(v_pair_program(), {"$8": a, "$9": b})
+    plane = _plane_words(_pack_codes(codes, 4), "value")
+    vc = _value_words(_load_blocks(plane, ppw, d // 16, lambda g, c: g * 4 + c), n).reshape(n // 2, d // 8, 2)
+    regs = emulate_ptx(v_word_program(), {"$4": vc})
 
-    h = [_halves(regs[f"${i}"]) for i in range(8)]
+    h = [_halves(regs[f"${i}"]) for i in range(4)]
+    y = _join(_join(h[0], h[1]), _join(h[2], h[3])).permute(0, 1, 3, 4, 5, 2)
     shape, order = value_axes(d, 4, ppw)
-    y = _join8(h).reshape(shape).permute(order).reshape(4, d, 16 * ppw)
+    y = y.reshape(shape).permute(order).reshape(4, d, 16 * ppw)
     m = torch.arange(d)
     want = codes.reshape(4, 16 * ppw, d)[:, :, dim_of_row(d)].permute(0, 2, 1) << (4 * ((m // 8) % 2))[None, :, None]
     assert torch.equal(y, want)
 
 
-def _load_w3(plane2: torch.Tensor, plane1: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_load_w`'s 3-bit value words from the cache rows' words (plane2 [T, d/16], plane1 [T, d/32]): thread g's
-    2-bit word and matching 1-bit word, both moved down by its first byte's offset in the word -> [T, 8]."""
-    j = torch.arange(8) * (d // 32)
-    c, w1 = j // 4, d // 32
-    return plane2[:, c] >> (8 * (j % 4)), plane1[:, c % w1] >> (c // w1 + 8 * (j % 4))
-
-
-@pytest.mark.parametrize("d", [64, 128])
-def test_v3_pair_program_places_each_code_at_four_to_the_quarter(d: int) -> None:
-    """Output (q 2 + tt) 4 + s holds the 3-bit code of quarter s of byte 2 q + tt of thread g's 2-bit bytes, token
-    a in the low half and token b in the high half, times 4^s: an exact fp16 subnormal (below 1024)."""
-    codes = torch.randint(0, 8, (2, d))
-    packed = _pack_codes(codes, 3)
-    plane2, plane1 = _words(packed[:, : d // 4]), _words(packed[:, d // 4 :])
-    v2, v1 = _load_w3(plane2, plane1, d)
-    pairs = d // 64
-    regs = emulate_ptx(v3_pair_program(pairs), {f"${8 * pairs}": v2[0], f"${8 * pairs + 1}": v2[1],
-                                                 f"${8 * pairs + 2}": v1[0], f"${8 * pairs + 3}": v1[1]})
-    for g in range(8):
-        for q in range(pairs):
-            for tt in range(2):
-                for s in range(4):
-                    out = int(regs[f"${(q * 2 + tt) * 4 + s}"][g])
-                    dim = s * d // 4 + g * d // 32 + 2 * q + tt
-                    assert out & 0xFFFF == int(codes[0, dim]) << (2 * s), (g, q, tt, s)
-                    assert out >> 16 == int(codes[1, dim]) << (2 * s), (g, q, tt, s)
-
-
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("ppw", [1, 2, 4])
 def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int) -> None:
-    """`_values_operand3`'s steps on a tile of 3-bit value codes (4 warps x `ppw` pages): element [w, m, k] of V_w^T
-    is the warp's token k code of dim `dim_of_row(d, 3)[m]` times 4^s, and `value_unit` undoes that factor."""
+    """From the pages' 2-bit and 1-bit planes to V_w^T, as `_load_w` and `_values_operand3` do it: element
+    [w, m, k] is the warp's token k code of dim `dim_of_row(d, 3)[m]` times 4^s, and `value_unit` undoes that
+    factor."""
     rows = dim_of_row(d, 3)
     assert torch.equal(rows.sort().values, torch.arange(d))
     n = 64 * ppw
     codes = torch.randint(0, 8, (n, d))
     packed = _pack_codes(codes, 3)
-    v2, v1 = _load_w3(_words(packed[:, : d // 4]), _words(packed[:, d // 4 :]), d)
-    pairs = d // 64
-    regs = emulate_ptx(v3_pair_program(pairs), {f"${8 * pairs}": v2[0::2], f"${8 * pairs + 1}": v2[1::2],
-                                                 f"${8 * pairs + 2}": v1[0::2], f"${8 * pairs + 3}": v1[1::2]})
+    plane2, plane1 = _plane_words(packed[:, : d // 4], "value"), _plane_words(packed[:, d // 4:], "value1")
+    v2 = _value_words(_load_blocks(plane2, ppw, d // 32, lambda g, c: g * 4 + c), n)
+    shift = (torch.arange(8) // 4)[None, None, None, :, None]  # [4, ppw, g, c, v] before the relabelling
+    v1 = _load_blocks(plane1, ppw, d // 32, lambda g, c: (g % 4) * 4 + c)
+    v1 = _value_words(v1 >> shift.permute(0, 1, 3, 2, 4), n) & 0xFFFFFFFF
+    regs = emulate_ptx(v3_word_program(), {"$8": v2, "$9": v1})
 
-    h = [_halves(regs[f"${i}"]) for i in range(8 * pairs)]
-    eight = [_join8(h[i:i + 8]) for i in range(0, 8 * pairs, 8)]
-    y = _join(eight[0], eight[1]) if d == 128 else eight[0]
+    h = [_halves(regs[f"${i}"]) for i in range(8)]
+    y = _join8(h).permute(0, 1, 3, 4, 5, 6, 2)
     shape, order = value_axes(d, 3, ppw)
     y = y.reshape(shape).permute(order).reshape(4, d, 16 * ppw)
     want = codes.reshape(4, 16 * ppw, d)[:, :, rows].permute(0, 2, 1)
     scale = (value_unit(d, 3) * 2.0**24).round().to(torch.int64)  # 4^s per row
     assert torch.equal(y, want * scale[None, :, None])
+
+
+@pytest.mark.parametrize("key_bits", [4, 3])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("ppw", [1, 2, 4])
+def test_key_words_come_back_in_the_tile_order(key_bits: int, d: int, ppw: int) -> None:
+    """`_load_w`'s key loads and `_key_words`: word w of token t is word w of the token's row of the first key
+    plane (what `_keys_operand` reads), and for 3-bit keys the matching 1-bit word is that row's word
+    w mod D/32 shifted right by w // (D/32) (`tq_gluon._plane_words`)."""
+    n = 64 * ppw
+    nb = d // 2 if key_bits == 4 else d // 4
+    cw = nb // 16
+    tile = torch.randint(0, 256, (n, nb + (d // 8 if key_bits == 3 else 0)), dtype=torch.uint8)
+
+    def key_words(x: torch.Tensor) -> torch.Tensor:  # `tq_warp._key_words`
+        return x.reshape(4, ppw, 8, 4, 2, cw).permute(0, 1, 4, 2, 3, 5).reshape(n, 4 * cw)
+
+    kc = key_words(_load_blocks(_plane_words(tile[:, :nb], "key"), ppw, 2 * cw, lambda r, c: c * 8 + r))
+    assert torch.equal(kc, _words(tile[:, :nb]))
+    if key_bits == 3:
+        shift = (torch.arange(4) // 2)[None, None, None, :, None]
+        ks = _load_blocks(_plane_words(tile[:, nb:], "key1"), ppw, 2 * cw, lambda r, c: (c % 2) * 8 + r) >> shift
+        w1 = d // 32
+        want = _words(tile[:, nb:])[:, torch.arange(4 * cw) % w1] >> (torch.arange(4 * cw) // w1)
+        assert torch.equal(key_words(ks), want)
 
 
 def _owners(layout) -> torch.Tensor:
@@ -143,60 +163,19 @@ def _owners(layout) -> torch.Tensor:
     return coords.reshape(1 << len(layout.warp_bases), 1 << len(layout.lane_bases), 1 << len(layout.reg_bases), -1)
 
 
-def _flat(coords: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """Row-major index of coordinates [..., rank] in `shape` (what `gl.reshape` to [BN, words] reads)."""
-    idx = torch.zeros(coords.shape[:-1], dtype=torch.int64)
-    for axis, size in enumerate(shape):
-        idx = idx * size + coords[..., axis]
-    return idx
-
-
-def _tile_coords(layout, words: int) -> tuple[torch.Tensor, ...]:
-    """(warp, lane, register, token, word) of every element after the kernel's reshape to [BN, words]."""
-    own = _owners(layout)
-    flat = _flat(own, layout.shape)
-    w, ln, r = torch.meshgrid(*(torch.arange(n) for n in own.shape[:3]), indexing="ij")
-    return w, ln, r, flat // words, flat % words
-
-
-@pytest.mark.parametrize("key_bytes", [16, 32, 64])
+@pytest.mark.parametrize("words", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_n", [64, 128, 256])
-def test_key_loads_keep_the_tile_order(key_bytes: int, block_n: int) -> None:
-    """`key_layout` [w, pg, r8, r, word], reshaped to [BN, words] as `_load_w` does, keeps the tile's token
-    order and the ownership `_keys_operand` relabels for free: thread 4 r + q of warp w holds the contiguous
-    quarter q of rows r and r + 8 (the mma.sync B operand's column r) of each of its pages, the quarter's words
-    innermost in its registers, then row + 8, then the page. A swapped axis or base still computes the right
-    answer but adds shuffles that only the GPU bench would see."""
+def test_block_layout_gives_each_thread_one_vector_per_page(words: int, block_n: int) -> None:
+    """`block_layout` [w, pg, i, c, v]: thread 4 i + c of warp w holds words v of block (i, c) of each of its
+    pages, the block's words innermost in its registers (so one vector load each: the compiler only vectorizes
+    contiguous registers), then the page. A swapped base still computes the right answer but loads word by
+    word, which only the GPU bench would see."""
     ppw = pages_per_warp(block_n)
-    words = key_bytes // 4
-    cw = words // 4
-    w, lane, reg, token, col = _tile_coords(key_layout(key_bytes, ppw), words)
-    assert torch.equal(token // (16 * ppw), w)
-    assert torch.equal(token % 8, lane // 4)
-    assert torch.equal(col // cw, lane % 4)
-    assert torch.equal(col % cw, reg % cw)
-    assert torch.equal((token % 16) // 8, (reg // cw) % 2)
-    assert torch.equal((token % (16 * ppw)) // 16, reg // (2 * cw))
-
-
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("block_n", [64, 128, 256])
-def test_value_loads_keep_the_tile_order(d: int, block_n: int) -> None:
-    """`value_layout` [w, pg, r8, c, r1, word], reshaped to [BN, words] as `_load_w` does, keeps the tile's
-    token order (`_values_operand` pairs tokens 2k, 2k + 1; `value_axes` relabels) and gives thread 4 g + c of
-    warp w words [E g, E g + E) of rows 2c, 2c + 1, 8 + 2c, 9 + 2c of each page (E = D/64), the columns of its
-    P^T B operand: registers word, then r1, then r8 (so that each row is an immediate offset), then the page."""
-    ppw = pages_per_warp(block_n)
-    e = d // 64
-    w, lane, reg, token, col = _tile_coords(value_layout(d, ppw), d // 8)
-    row = token % 16
-    assert torch.equal(token // (16 * ppw), w)
-    assert torch.equal((row % 8) // 2, lane % 4)
-    assert torch.equal(col // e, lane // 4)
-    assert torch.equal(col % e, reg % e)
-    assert torch.equal(row % 2, (reg // e) % 2)
-    assert torch.equal(row // 8, (reg // (2 * e)) % 2)
-    assert torch.equal((token % (16 * ppw)) // 16, reg // (4 * e))
+    own = _owners(block_layout(ppw, words))  # [warps, lanes, regs, 5]
+    w, lane, reg = torch.meshgrid(*(torch.arange(k) for k in own.shape[:3]), indexing="ij")
+    assert torch.equal(own[..., 0], w)
+    assert torch.equal(own[..., 2], lane // 4) and torch.equal(own[..., 3], lane % 4)
+    assert torch.equal(own[..., 4], reg % words) and torch.equal(own[..., 1], reg // words)
 
 
 def test_mma_sums_refuses_one_page_per_warp() -> None:

@@ -24,6 +24,7 @@ from kvpolicy.kernels.turboquant import (
     SUBNORMAL_UNIT,
     SUPPORTED_HEAD_DIMS,
     TQ_FORMATS,
+    WARP_ORDER_FORMATS,
     allocate_tq_cache,
     code_planes,
     codebook_boundaries,
@@ -47,6 +48,7 @@ from kvpolicy.kernels.turboquant import (
     slots_from_planar,
     sorted_index,
     tq_layout,
+    warp_plane_order,
     turboquant_mse_bound,
     subnormal_byte_order,
     v3_program,
@@ -308,17 +310,46 @@ def test_planar_pages_hold_the_slots_bytes_in_aligned_planes(fmt: str, head_dim:
     split = 2 if lay.key_bits == 3 else 1
     assert sum(n for _, n in planes[:split]) == lay.key_bytes and sum(n for _, n in planes[split:]) == lay.val_bytes
     assert len(planes) == split + (2 if lay.value_bits == 3 else 1)
+    warp = fmt in WARP_ORDER_FORMATS
+    kinds = ["key", "key1"][:split] + ["value", "value1"][:len(planes) - split]
     start = 0
-    for off, n in planes:
+    for (off, n), kind in zip(planes, kinds):
         assert start % 16 == 0 and n % 4 == 0
-        assert torch.equal(page[start + t * n:start + (t + 1) * n], slots[1, t, 2, off:off + n])
+        at = start + (warp_plane_order(kind, n)[t] if warp else t * n + torch.arange(n))
+        assert torch.equal(page[at], slots[1, t, 2, off:off + n])
         start += 16 * n
     f0 = 16 * (lay.key_bytes + lay.val_bytes)
     assert start == f0
     for k, off in enumerate(field_planes(fmt, head_dim)):
         assert f0 % 16 == 0
-        plane = page[f0 + 32 * k:f0 + 32 * (k + 1)]
-        assert torch.equal(plane[2 * t:2 * t + 2], slots[1, t, 2, off:off + 2])
+        at = f0 + 32 * k + (warp_plane_order("field", 2)[t] if warp else 2 * t + torch.arange(2))
+        assert torch.equal(page[at], slots[1, t, 2, off:off + 2])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_warp_plane_order_gives_each_thread_its_rows_as_one_aligned_vector(head_dim: int) -> None:
+    """What `tq_warp._load_w` relies on: in a value plane (and a field plane) thread (g, c)'s bytes of rows
+    2c, 2c + 1, 8 + 2c, 9 + 2c are one aligned block whose words hold a byte pair of row 2c + 8 r8 and then
+    the same pair of row 2c + 8 r8 + 1; in a key plane thread (r, c)'s quarter c of rows r and r + 8 is one
+    aligned block, row r first."""
+    for kind, n, group in (("value", head_dim // 2, head_dim // 16), ("value", head_dim // 4, head_dim // 32),
+                           ("value1", head_dim // 8, head_dim // 32), ("field", 2, 2)):
+        pos = warp_plane_order(kind, n)
+        for g in range(n // group):
+            for c in range(4):
+                block = torch.arange(4 * group) + (g * 4 + c) * 4 * group
+                rows = [2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c]
+                got = torch.stack([pos[r, g * group:(g + 1) * group] for r in rows])  # [4 rows, group bytes]
+                want = block.view(2, group // 2, 2, 2).permute(0, 2, 1, 3).reshape(4, group)
+                assert torch.equal(got, want), (kind, n, g, c)
+    for kind, n, quarter in (("key", head_dim // 2, head_dim // 8), ("key", head_dim // 4, head_dim // 16),
+                             ("key1", head_dim // 8, head_dim // 16)):
+        pos = warp_plane_order(kind, n)
+        for r in range(8):
+            for c in range(n // quarter):
+                block = torch.arange(2 * quarter) + (c * 8 + r) * 2 * quarter
+                got = torch.cat([pos[r, c * quarter:(c + 1) * quarter], pos[r + 8, c * quarter:(c + 1) * quarter]])
+                assert torch.equal(got, block), (kind, n, r, c)
 
 
 def test_reference_decodes_planar_and_slot_caches_alike() -> None:

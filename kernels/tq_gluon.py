@@ -578,22 +578,27 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       12.4, 3bit_nc 128k 46.4 / 44.3; the exception Llama k3v4_nc 128k 46.6 / 47.4) and at batch 8 up to 3.4 us
       at 4k (Llama 4bit_nc 22.6 / 19.2), 128k within 1.6% either way (gpt-oss 4bit_nc 173.8 / 169.4, 3bit_nc
       208.9 / 209.7).
-    - k3v4_nc and 3bit_nc at head_dim 64 take two pages per warp (128-token tiles) with the sums by mma.sync,
+    - k3v4_nc and 3bit_nc at head_dim 64 took two pages per warp (128-token tiles) with the sums by mma.sync,
       one tile per iteration and at most 128 registers (no spills: 4 programs per SM against 2; twenty-fifth
-      session, `bench/results_tq_warp_rotate/probe_twopage.log`, gpt-oss layer, 128k, us, four pages (the
+      session, until the pages in thread order below, `bench/results_tq_warp_rotate/probe_twopage.log`, gpt-oss layer, 128k, us, four pages (the
       default before) / these): batch 8 k3v4_nc 176.8 / 170.1, 3bit_nc 208.9 / 199.0; batch 1 30.9 / 31.2 and
       34.9 / 35.8. 4bit_nc keeps four pages (169.6 against 179.5 for the same two-page form, 196.5 uncapped).
+    - Pages in this kernel's thread order (`turboquant.warp_plane_order`; eighteenth session,
+      `bench/results_tq_warp_order/probe_warporder.log`, 128k, us, the kernels before / after): gpt-oss layer
+      batch 8 4bit_nc 166.2 / 157.1, k3v4_nc 169.8 / 155.6 and 3bit_nc 194.1 / 169.7 (two pages capped at 128),
+      batch 1 29.0 / 28.4, 31.3 / 28.9, 34.9 / 31.8; Llama layer batch 8 290.1 / 290.4, 266.0 / 261.2, 278.5 /
+      259.2. With fewer registers four pages per warp won back k3v4_nc and 3bit_nc at head_dim 64: k3v4_nc
+      (unrolled) 146.6 us at batch 8, 27.9 at batch 1; 3bit_nc (one tile per iteration) 162.4 and 29.4; 3bit_nc
+      two pages capped and unrolled 178.1.
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
       for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
       128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
     from kvpolicy.kernels import tq_warp
 
     if fmt in tq_warp.FORMATS:
-        if head_dim == 64 and fmt != "turboquant_4bit_nc":
-            return TQGluonConfig(block_n=128, per_warp=True, sum_pages=True, mma_sums=True, rotate_query=True,
-                                 maxnreg=128)
-        return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True, unroll=True,
-                             mma_sums=True, rotate_query=True)
+        return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True,
+                             unroll=not (head_dim == 64 and fmt == "turboquant_3bit_nc"), mma_sums=True,
+                             rotate_query=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)

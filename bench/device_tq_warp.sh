@@ -72,8 +72,10 @@
 #            registers open on the gpt-oss layer, and the same defaults on the kernels before it
 #            (.ab/base_kernels/: 048d9b5's kernels/*.py, git-ignored: carry it). The probes' JSON files go
 #            into one tarball (the device returns at most 8 files).
+#   unroll3: 3bit_nc on the gpt-oss layer, four pages per warp, one or two tiles per iteration (582 against 626
+#            instructions per tile with the pages in thread order), 4k and 128k, batch 8 and 1.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -347,6 +349,10 @@ elif [ "$2" = warporder ]; then
   cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"
   grep -v "^==" "$out/probe_warporder.log" | grep -E " us \(" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
   tar -C "$out" -czf "$out/probe_warporder_json.tgz" $(cd "$out" && ls probe_*.json) && rm "$out"/probe_*.json
+elif [ "$2" = unroll3 ]; then
+  logged_probe probe_unroll3.log unroll3 --geometries gpt-oss-20b --formats turboquant_3bit_nc --block-n 256 --unroll 0,1 \
+    --contexts 4096,131072 --batch 8,1 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --split-scale 1
+  grep -E " us \(" "$out/probe_unroll3.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
 elif [ "$2" = tests ]; then
   timeout 540 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -p no:cacheprovider > "$out/pytest_gpu.log" 2>&1; tail -5 "$out/pytest_gpu.log"

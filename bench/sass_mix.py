@@ -98,7 +98,8 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
         from kvpolicy.kernels import tq_warp as tw
 
         fn = tw._tq_warp_kernel
-        constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+    if per_warp:
         constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n, sum_pages, mma_sums))
         constexprs.update(UNROLL=unroll, ROTATE=rotate)
     pointers = {"q_ptr": "*bf16" if rotate else "*fp16", "order_ptr": "*i32", "rot_ptr": "*fp16", "cache32_ptr": "*i32", "cache16_ptr": "*i16",

@@ -1,33 +1,36 @@
-"""Hopper TurboQuant decode in Gluon, on planar pages: keys unpacked into the score wgmma's register operand.
+"""Hopper TurboQuant decode in Gluon, on planar pages: the route, its configuration, and the warpgroup kernel
+for FP8 keys (k8v4).
 
-Why a second kernel: the Triton kernel (`tq_decode.py`) is issue-bound (bench/NOTES_TQ.md): per
+`decode_tq_gluon` decodes all four formats: the formats with centroid keys (4bit_nc, k3v4_nc, 3bit_nc) run
+the per-warp kernel (`tq_warp.py`, whose pages are in its own thread order), k8v4 the warpgroup kernel here.
+This module also holds what both kernels share: `TQGluonConfig` and `default_config`, the query's order and
+two-byte form (`query_order`, `Q_LO`), the int8 key programs and the result store.
+
+Why a kernel apart from the Triton one (`tq_decode.py`): that kernel is issue-bound (bench/NOTES_TQ.md): per
 (token, KV head) slot it spends 45-53 warp-instructions, a quarter of them on byte shuffles that bring
-2-byte-aligned slot bytes into `tl.dot`'s operand layout, a quarter on the softmax of 16 padded MMA
-rows. This kernel, with explicit layouts:
-- reads planar pages (`turboquant.allocate_tq_planar_cache`: the same bytes per token as vLLM's
-  slots, each KV head's page in planes that start on 16-byte boundaries, 3-bit codes as a 2-bit and a
-  1-bit plane), so every key and value load is a load of whole 32-bit code words;
-- unpacks centroid keys with a PTX look-up (`turboquant.k4_int8_program`, `k3_int8_program`: one PRMT per 4
-  codes into an 8-byte table, the sign by XOR) into signed bytes that *are* the register A operand of an int8
-  wgmma with the tile's tokens as M, against the query's two bytes per coordinate (hi, lo: N = 16); FP8
-  keys (k8v4) become fp16 halves for an fp16 wgmma. Each thread's quarter of a key row is relabelled as the
-  operand's K indices (`operand_order`, `turboquant.int8_operand_order`), and the query is stored in that
-  order, so the product is unchanged and the dequantized keys never leave registers. The int8 centroids
-  are within 0.006 / sqrt(D) of the Lloyd-Max ones (as precise as BF16 ones; tests/kernels/test_tq_decode.py:
-  at most 1% more error against unquantized attention);
+2-byte-aligned slot bytes into `tl.dot`'s operand layout, a quarter on the softmax of 16 padded MMA rows.
+The warpgroup kernel, with explicit layouts:
+- reads planar pages (`turboquant.allocate_tq_planar_cache`: the same bytes per token as vLLM's slots, each
+  KV head's page in planes that start on 16-byte boundaries), so every key and value load is a load of whole
+  32-bit words;
+- turns FP8 keys into fp16 halves, the register A operand of an fp16 wgmma with the tile's tokens as M; each
+  thread's quarter of a key row is relabelled as the operand's K indices (`operand_order`) and the query is
+  stored in that order, so the product is unchanged and the keys never leave registers;
 - turns value codes into exact fp16 subnormals (code x 2^-24, 5 ops per word of 8 codes) in shared memory;
   the per-token scale folds into P and the zero point into a per-column sum; O^T = codes^T.(P*scale)^T is
   an fp16 wgmma summed per tile in fp32 registers (two-level);
 - runs the softmax on [tile, 8] (the GQA group padded to 8, not 16) over 128 threads, against a lazy
   reference max: a tile needs no cross-warp max unless a score passes the reference by 2^4;
 - loads tile i+1 while tile i is computed.
+It also took the centroid-key formats (their keys as int8 wgmma operands against a two-byte query) until
+their pages moved to the per-warp kernel's order (NOTES_TQ.md, eighth and eighteenth sessions).
 
-Measured on an H200: bench/NOTES_TQ.md (eighth session: int8 keys), bench/RESULTS.md.
+Measured on an H200: bench/NOTES_TQ.md, bench/RESULTS.md.
 
-Scope: the four TurboQuant formats, head_dim 64 or 128, GQA groups up to 8, 16-token planar pages, sm_90.
-`decode_attention_tq` routes planar caches here; the runtime allocates them on Hopper
-(`LayerPlan.kernel_path`). Gluon does not run under the interpreter: this kernel is tested on the GPU
-only (tests/kernels/test_tq_gluon.py), against the float64 reference over the centroids it multiplies.
+Scope: the four TurboQuant formats (the warpgroup kernel: k8v4), head_dim 64 or 128, GQA groups up to 8,
+16-token planar pages, sm_90. `decode_attention_tq` routes planar caches here; the runtime allocates them on
+Hopper (`LayerPlan.kernel_path`). Gluon does not run under the interpreter: these kernels are tested on the
+GPU only (tests/kernels/test_tq_gluon.py), against the float64 reference.
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ from kvpolicy.kernels.turboquant import (
     k4_int8_program,
     render_ptx,
     tq_layout,
-    v3_subnormal_program,
     v4_subnormal_program,
 )
 from triton.experimental import gluon
@@ -76,7 +78,6 @@ _K4_I8_ASM = gl.constexpr(render_ptx(k4_int8_program()))
 _K3_I8_ASM = gl.constexpr(render_ptx(k3_int8_program()))
 # values as exact fp16 subnormals (code x 2^-24, bytes in the order 0, 2, 1, 3): low nibbles, then 16 x high
 _V4_ASM = gl.constexpr(render_ptx(v4_subnormal_program()))
-_V3_ASM = gl.constexpr(render_ptx(v3_subnormal_program()))  # quarter s as 4^s x code x 2^-24
 _UNSUB = gl.constexpr(1.0 / SUBNORMAL_UNIT)
 _FP8_ASM = gl.constexpr("""{
 .reg .b16 a, b;
@@ -92,9 +93,6 @@ mov.b32 {$2, $3}, y;
 # head dim) as M; keys are the A operand of the score wgmma, straight from registers.
 S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]))
 A_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT.value, k_width=2))
-# Centroid keys: an int8 wgmma against the query's hi and lo bytes, N = 16 (columns h and 8 + h in one thread).
-S8_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32]))
-A8_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S8_LAYOUT.value, k_width=4))
 Q_LO = gl.constexpr(254.0)
 """The query's second byte holds the first byte's rounding residual (at most 1/2) times this."""
 Q_LO_INT = gl.constexpr(254)
@@ -112,8 +110,8 @@ def key_layout(block_n: int, key_bytes: int) -> gl.DistributedLinearLayout:
     """Register layout of a tile's code words of one plane [block_n, key_bytes / 4] (int32) in memory order:
     each thread holds a contiguous quarter of a row (one or two 16-byte loads) for the rows the wgmma A
     operand gives it (r, r + 8 of its warp's 16, and + 64 for 128-token tiles), which are also the score
-    rows. `_to_operand` / `_to_operand8` relabel the unpacked keys as that operand; the value words take the
-    same layout, so one page look-up serves keys, values and fields."""
+    rows. `_to_operand` relabels the unpacked keys as that operand; the value words take the same layout, so
+    one page look-up serves keys, values and fields."""
     cw = key_bytes // 16  # words per thread per row
     reg = [[0, 1 << k] for k in range(cw.bit_length() - 1)] + [[8, 0]] + ([[64, 0]] if block_n == 128 else [])
     lanes = [[0, cw], [0, 2 * cw], [1, 0], [2, 0], [4, 0]]
@@ -160,32 +158,6 @@ def _word_bytes(x, BN: gl.constexpr, W: gl.constexpr):
 
 
 @gluon.jit
-def _to_operand8(t, BN: gl.constexpr, KBM: gl.constexpr, G: gl.constexpr):
-    """[BN, KBM, G] signed bytes (output g of the int8 program on byte 4m + i of thread c's quarter of the
-    plane row) -> the int8 A operand [BN, KBM G], output g of word m at K = 16 (m G + g) + 4 c + i
-    (`turboquant.int8_operand_order`): a register relabelling."""
-    M: gl.constexpr = KBM // 16
-    y = gl.permute(gl.reshape(t, [BN, 4, M, 4, G]), (0, 2, 4, 1, 3))
-    return gl.convert_layout(gl.reshape(y, [BN, KBM * G]), A8_LAYOUT)
-
-
-@gluon.jit
-def _parts_order(x0, x1, x2, x3, BN: gl.constexpr, W: gl.constexpr):
-    """Four [BN, W] tensors (coordinates s W + j for part s) -> one [BN, 4W] tensor in coordinate order."""
-    y = gl.join(gl.join(x0, x2), gl.join(x1, x3))  # [BN, W, 2, 2]: part = last index + 2 x the one before
-    return gl.reshape(gl.permute(y, (0, 2, 3, 1)), [BN, 4 * W])
-
-
-@gluon.jit
-def _plane_words(cache32_ptr, word0, W: gl.constexpr, LAYOUT: gl.constexpr):
-    """A tile's words of a 1-bit plane, in the shape and layout of its 2-bit plane's words [BN, 2W]: column c
-    takes word c mod W, shifted right by c // W, so that bit 2s of each byte is the field of quarter s of
-    the matching 2-bit plane byte (plane byte j, bits 2s and 2s + 1: coordinates s D/4 + j and s D/4 + j + D/8)."""
-    c = gl.arange(0, 2 * W, layout=gl.SliceLayout(0, LAYOUT))
-    return gl.load(cache32_ptr + word0[:, None] + (c % W)[None, :]) >> (c // W)[None, :]
-
-
-@gluon.jit
 def _pages(bt_row, tile, seq_len, L: gl.constexpr, BN: gl.constexpr):
     """The block-table entry of each token of tile `tile` (rows of layout L); page 0 past the sequence (masked
     later; the table may hold anything there). Loaded `TQGluonConfig.pages_ahead` tiles ahead: every load of
@@ -196,78 +168,46 @@ def _pages(bt_row, tile, seq_len, L: gl.constexpr, BN: gl.constexpr):
 
 @gluon.jit
 def _load_tile(cache32_ptr, cache16_ptr, page, tile, kvh, BN: gl.constexpr, SLOT: gl.constexpr,
-               NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr,
-               KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr,
-               K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
+               NUM_KV: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr,
+               NF: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr):
     """The packed bytes of one tile from planar pages, each in the register layout its consumer wants: key
-    code words for the wgmma A operand (16-byte loads), value code words for the fp16 store, the fp16 fields
-    in the score rows' layout. 3-bit codes come as their 2-bit plane's words and the matching 1-bit words
-    (`_plane_words`); other formats return 0 for those. Words, not bytes: a byte tensor carried to the next
-    iteration is split into single bytes. KBM, VBM: bytes per token of the first key and value code plane;
-    KB, VB: of all of them (`kernel_constexprs`). `page`: the tile's `_pages`.
-    Offsets are taken in the unit of each load (words, halves): no division of int64."""
+    words for the wgmma A operand (16-byte loads), value code words for the fp16 store, the fp16 fields in the
+    score rows' layout. Words, not bytes: a byte tensor carried to the next iteration is split into single
+    bytes. KBM, VBM: bytes per token of the key and value code plane; KB, VB: the same (`kernel_constexprs`).
+    `page`: the tile's `_pages`. Offsets are taken in the unit of each load (words, halves): no division of
+    int64."""
     # page bases in 32-bit words (a page is 16 SLOT bytes, SLOT even) and in halves for the fp16 fields
     pk = page.to(gl.int64) * NUM_KV + kvh
     rk = (tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, K_LAYOUT))) & 15  # the token's row in its page
     kc = gl.load(cache32_ptr + (pk * (4 * SLOT) + rk * (KBM // 4))[:, None]
                  + gl.arange(0, KBM // 4, layout=gl.SliceLayout(0, K_LAYOUT))[None, :])
-    ks = 0
-    if KEY_BITS == 3:
-        ks = _plane_words(cache32_ptr, pk * (4 * SLOT) + 4 * KBM + rk * (HEAD_DIM // 32), HEAD_DIM // 32, K_LAYOUT)
     pv = gl.convert_layout(pk, gl.SliceLayout(1, V_LAYOUT))  # the same rows in the same threads
     rv = gl.convert_layout(rk, gl.SliceLayout(1, V_LAYOUT))
     vc = gl.load(cache32_ptr + (pv * (4 * SLOT) + 4 * KB + rv * (VBM // 4))[:, None]
                  + gl.arange(0, VBM // 4, layout=gl.SliceLayout(0, V_LAYOUT))[None, :])
-    vh = 0
-    if V_BITS == 3:
-        vh = _plane_words(cache32_ptr, pv * (4 * SLOT) + 4 * (KB + VBM) + rv * (HEAD_DIM // 32), HEAD_DIM // 32,
-                          V_LAYOUT)
     # the score rows are the key rows in the same threads (lane / 4, 8 x register, 16 x warp): no second look-up
     pf = gl.convert_layout(pk, ROW_S)
     rf = gl.convert_layout(rk, ROW_S)
     f = cache16_ptr + pf * (8 * SLOT) + 8 * (KB + VB) + rf  # plane k of the fields: + 16 k
-    knorm = gl.full([BN], 1.0, gl.float32, layout=ROW_S)
-    if KEY_BITS != 8:
-        knorm = gl.load(f).to(gl.float16, bitcast=True).to(gl.float32)
     vscale = gl.load(f + 16 * (NF - 2)).to(gl.float16, bitcast=True).to(gl.float32)
     vzero = gl.load(f + 16 * (NF - 1)).to(gl.float16, bitcast=True).to(gl.float32)
-    return kc, ks, vc, vh, knorm, vscale, vzero
+    return kc, vc, vscale, vzero
 
 
 @gluon.jit
-def _attend(kc, ks, vc, vh, knorm, vscale, vzero, table_lo, q_smem, qf, qc, v16_smem, p_smem, flag_smem, m_i, l_part,
-            z_part, acc, tile_start, seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr,
-            KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, LAZY: gl.constexpr,
+def _attend(kc, vc, vscale, vzero, q_smem, v16_smem, p_smem, flag_smem, m_i, l_part, z_part, acc, tile_start,
+            seq_len, start, HEAD_DIM: gl.constexpr, BN: gl.constexpr, KBM: gl.constexpr, LAZY: gl.constexpr,
             EDGE: gl.constexpr):
     """One tile: keys unpacked in registers into the score wgmma, value codes to fp16 in shared memory,
     online softmax with the value scale folded into P, P.V. Returns the updated state. EDGE: the tile
     reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common path). LAZY:
-    `TQGluonConfig.lazy_max`. Centroid keys: q_smem is the int8 query [16, D] (hi bytes, then lo), qf and
-    qc its per-head factor and offset (see the kernel)."""
+    `TQGluonConfig.lazy_max`."""
     W: gl.constexpr = KBM // 4
-    if KEY_BITS == 8:
-        h0, h1, h2, h3 = gl.inline_asm_elementwise(_FP8_ASM, "=h,=h,=h,=h,r", [kc], dtype=(gl.float16,) * 4,
-                                                   is_pure=True, pack=1)
-        k16 = _to_operand(_bytes_order(h0, h1, h2, h3, BN, W), BN, KBM)
-        s = warpgroup_mma(k16, q_smem.index(0).permute((1, 0)), gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT),
-                          use_acc=False, is_async=True)
-    else:
-        # the table's first word, one register for the whole loop (an immediate would be rematerialised before
-        # every PRMT: 16 moves per tile)
-        table = _word_bytes(gl.zeros_like(kc) + table_lo, BN, W)
-        if KEY_BITS == 4:
-            # byte j holds coordinate j (low nibble) and j + D/2 (high nibble)
-            o0, o1 = gl.inline_asm_elementwise(_K4_I8_ASM, "=r,=r,r,r", [_word_bytes(kc, BN, W), table],
-                                               dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
-            k8 = _to_operand8(gl.join(o0, o1), BN, KBM, 2)
-        else:
-            # 2-bit plane byte j: quarter s holds coordinate s D/4 + j
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(_K3_I8_ASM, "=r,=r,=r,=r,r,r,r",
-                                                       [_word_bytes(kc, BN, W), _word_bytes(ks, BN, W), table],
-                                                       dtype=(gl.int8,) * 4, is_pure=True, pack=4)
-            k8 = _to_operand8(gl.reshape(gl.join(gl.join(o0, o2), gl.join(o1, o3)), [BN, KBM, 4]), BN, KBM, 4)
-        s = warpgroup_mma(k8, q_smem.permute((1, 0)), gl.zeros([BN, 16], gl.int32, layout=S8_LAYOUT), use_acc=False,
-                          is_async=True)
+    h0, h1, h2, h3 = gl.inline_asm_elementwise(_FP8_ASM, "=h,=h,=h,=h,r", [kc], dtype=(gl.float16,) * 4,
+                                               is_pure=True, pack=1)
+    k16 = _to_operand(_bytes_order(h0, h1, h2, h3, BN, W), BN, KBM)
+    s = warpgroup_mma(k16, q_smem.index(0).permute((1, 0)), gl.zeros([BN, 8], gl.float32, layout=S_LAYOUT),
+                      use_acc=False, is_async=True)
 
     # While it runs: value codes to exact fp16 subnormals (code x 16^k or 4^k x 2^-24: the bits stay where they
     # are), each group of 4 head-dim positions holding bytes (0, 2, 1, 3): the epilogue undoes both. The
@@ -276,34 +216,15 @@ def _attend(kc, ks, vc, vh, knorm, vscale, vzero, table_lo, q_smem, qf, qc, v16_
     # Every warp is past the previous tile's P.V (its wait), so the tile may be rewritten.
     gl.thread_barrier()
     v32_smem = v16_smem._reinterpret(gl.int32, [BN, HEAD_DIM // 2], V32_SMEM)
-    if V_BITS == 4:
-        # word m of the row -> the halves of columns 4m .. 4m + 3 (low nibbles) and D/2 + 4m .. (16 x high)
-        w0, w1, w2, w3 = gl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r", [vc], dtype=(gl.int32,) * 4,
-                                                   is_pure=True, pack=1)
-        lo = gl.reshape(gl.join(w0, w1), [BN, HEAD_DIM // 4])
-        hi = gl.reshape(gl.join(w2, w3), [BN, HEAD_DIM // 4])
-        # one store: two stores into slices of the tile make the compiler put a barrier between them
-        v32_smem.store(gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BN, HEAD_DIM // 2]))
-    else:
-        Q: gl.constexpr = HEAD_DIM // 4
-        w = gl.inline_asm_elementwise(_V3_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [vc, vh], dtype=(gl.int32,) * 8,
-                                      is_pure=True, pack=1)
-        # quarter s: outputs 2s (bytes 0, 2) and 2s + 1 (bytes 1, 3) of each input word, columns in that order
-        v32_smem.store(_parts_order(gl.reshape(gl.join(w[0], w[1]), [BN, Q // 2]),
-                                    gl.reshape(gl.join(w[2], w[3]), [BN, Q // 2]),
-                                    gl.reshape(gl.join(w[4], w[5]), [BN, Q // 2]),
-                                    gl.reshape(gl.join(w[6], w[7]), [BN, Q // 2]), BN, Q // 2))
+    # word m of the row -> the halves of columns 4m .. 4m + 3 (low nibbles) and D/2 + 4m .. (16 x high)
+    w0, w1, w2, w3 = gl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r", [vc], dtype=(gl.int32,) * 4,
+                                               is_pure=True, pack=1)
+    lo = gl.reshape(gl.join(w0, w1), [BN, HEAD_DIM // 4])
+    hi = gl.reshape(gl.join(w2, w3), [BN, HEAD_DIM // 4])
+    # one store: two stores into slices of the tile make the compiler put a barrier between them
+    v32_smem.store(gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BN, HEAD_DIM // 2]))
 
-    if KEY_BITS == 8:
-        s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k16, q_smem))
-    else:
-        # (not k8: the wait takes no 8-bit register operands; ptxas keeps an in-flight wgmma's registers)
-        s, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_smem))
-        # columns h and 8 + h: the products with the query's hi and lo bytes, in the same thread
-        hi, lo = gl.split(gl.permute(gl.reshape(s, [BN, 2, 8]), (0, 2, 1)))
-        # Q_LO hi + lo in int32 (|hi| <= D 127^2, so no overflow), one conversion
-        x = gl.convert_layout(hi * Q_LO_INT + lo, S_LAYOUT).to(gl.float32)
-        s = (x + qc[None, :]) * (qf[None, :] * knorm[:, None])
+    s, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s, k16, q_smem))
     if EDGE:
         # Stale slots may hold NaN norms and scales: masked scores, zero scale and zero point.
         pos = tile_start + gl.arange(0, BN, layout=ROW_S)
@@ -396,10 +317,9 @@ def _tq_gluon_kernel(
     part_lse_ptr, q_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr, BN: gl.constexpr,
-    KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
-    VB: gl.constexpr, NF: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, LAZY: gl.constexpr,
-    I8_SCALE: gl.constexpr, PAGES_AHEAD: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-    IS_SPLIT: gl.constexpr,
+    KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr, VB: gl.constexpr, NF: gl.constexpr,
+    K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, LAZY: gl.constexpr, PAGES_AHEAD: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
@@ -409,39 +329,19 @@ def _tq_gluon_kernel(
     v16_smem = gl.allocate_shared_memory(gl.float16, [BN, HEAD_DIM],
                                          gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.float16))
     p_smem = gl.allocate_shared_memory(gl.float16, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.float16))
-    if KEY_BITS == 8:
-        q_smem = gl.allocate_shared_memory(gl.float16, [1, 8, HEAD_DIM],
-                                           gl.NVMMASharedLayout.get_default_for([8, HEAD_DIM], gl.float16))
-    else:
-        q_smem = gl.allocate_shared_memory(gl.int8, [16, HEAD_DIM],
-                                           gl.NVMMASharedLayout.get_default_for([16, HEAD_DIM], gl.int8))
+    q_smem = gl.allocate_shared_memory(gl.float16, [1, 8, HEAD_DIM],
+                                       gl.NVMMASharedLayout.get_default_for([8, HEAD_DIM], gl.float16))
     flag_smem = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
 
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
 
-    # The GQA group's query (rotated and scaled for centroid keys), its coordinates in the score MMA's K order
-    # (`operand_order`, `int8_operand_order`).
+    # The GQA group's query, its coordinates in the score MMA's K order (`operand_order`).
     offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
     order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
     q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
                 mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32) * q_scale
     col: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    if KEY_BITS == 8:
-        q_smem.index(0).store(q.to(gl.float16))
-        qf = gl.full([8], 1.0, gl.float32, layout=col)
-        qc = qf
-    else:
-        # Two signed bytes per coordinate: q = step (hi + lo / Q_LO), exact to step / 508. A key byte b stands
-        # for (b + 1/2) / I8_SCALE (`turboquant.int8_centroids`), so q.k = qf (Q_LO hi.b + lo.b + qc):
-        # qf = step / (Q_LO I8_SCALE), qc = the sum of (Q_LO hi + lo) / 2.
-        amax = gl.max(gl.abs(q), 1)
-        step = gl.where(amax > 0.0, amax / 127.0, 1.0)
-        x = q / step[:, None]
-        hi = gl.floor(x + 0.5)
-        lo = gl.floor((x - hi) * Q_LO + 0.5)
-        q_smem.store(gl.reshape(gl.permute(gl.join(hi.to(gl.int8), lo.to(gl.int8)), (2, 0, 1)), [16, HEAD_DIM]))
-        qf = gl.convert_layout(step * (1.0 / (Q_LO * I8_SCALE)), col)
-        qc = gl.convert_layout(0.5 * gl.sum(hi * Q_LO + lo, 1), col)
+    q_smem.index(0).store(q.to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -453,33 +353,26 @@ def _tq_gluon_kernel(
     # Software pipeline: the bytes of tile i+1 load while tile i is computed, their block-table entries
     # PAGES_AHEAD tiles ahead (one tile ahead, every tile waited for its entries before issuing its loads).
     bt_row = block_tables_ptr + seq * stride_bt
-    table_lo = 0
-    if KEY_BITS != 8:
-        table_lo = gl.load(order_ptr + HEAD_DIM)  # loaded, so that it stays in a register (see `_attend`)
     PL: gl.constexpr = gl.SliceLayout(1, K_LAYOUT)
     page = _pages(bt_row, tile_lo, seq_len, PL, BN)
-    kc, ks, vc, vh, knorm, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, page, tile_lo, kvh, BN, SLOT, NUM_KV,
-                                                      HEAD_DIM, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, K_LAYOUT,
-                                                      V_LAYOUT)
+    kc, vc, vscale, vzero = _load_tile(cache32_ptr, cache16_ptr, page, tile_lo, kvh, BN, SLOT, NUM_KV, KBM, KB, VBM,
+                                       VB, NF, K_LAYOUT, V_LAYOUT)
     page = _pages(bt_row, tile_lo + 1, seq_len, PL, BN)
     for tile in range(tile_lo, tile_hi):
         if PAGES_AHEAD == 1:
             page = _pages(bt_row, tile + 1, seq_len, PL, BN)
-        nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_tile(
-            cache32_ptr, cache16_ptr, page, tile + 1, kvh, BN, SLOT, NUM_KV, HEAD_DIM, KEY_BITS, V_BITS,
-            KBM, KB, VBM, VB, NF, K_LAYOUT, V_LAYOUT)
+        nkc, nvc, nvscale, nvzero = _load_tile(cache32_ptr, cache16_ptr, page, tile + 1, kvh, BN, SLOT, NUM_KV, KBM,
+                                               KB, VBM, VB, NF, K_LAYOUT, V_LAYOUT)
         if PAGES_AHEAD == 2:
             page = _pages(bt_row, tile + 2, seq_len, PL, BN)
         tile_start = tile * BN
         if (tile_start < start) | (tile_start + BN > seq_len):
-            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, table_lo, q_smem, qf, qc,
-                                               v16_smem, p_smem, flag_smem, m_i, l_part, z_part, acc, tile_start,
-                                               seq_len, start, HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, True)
+            m_i, l_part, z_part, acc = _attend(kc, vc, vscale, vzero, q_smem, v16_smem, p_smem, flag_smem, m_i, l_part,
+                                               z_part, acc, tile_start, seq_len, start, HEAD_DIM, BN, KBM, LAZY, True)
         else:
-            m_i, l_part, z_part, acc = _attend(kc, ks, vc, vh, knorm, vscale, vzero, table_lo, q_smem, qf, qc,
-                                               v16_smem, p_smem, flag_smem, m_i, l_part, z_part, acc, tile_start,
-                                               seq_len, start, HEAD_DIM, BN, KEY_BITS, V_BITS, KBM, LAZY, False)
-        kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
+            m_i, l_part, z_part, acc = _attend(kc, vc, vscale, vzero, q_smem, v16_smem, p_smem, flag_smem, m_i, l_part,
+                                               z_part, acc, tile_start, seq_len, start, HEAD_DIM, BN, KBM, LAZY, False)
+        kc, vc, vscale, vzero = nkc, nvc, nvscale, nvzero
 
     l_i = gl.sum(l_part, 0)
     z_i = gl.sum(z_part, 0)
@@ -488,11 +381,8 @@ def _tq_gluon_kernel(
     offs_d = (rows & ~3) | ((rows & 1) << 1) | ((rows >> 1) & 1)  # turboquant.subnormal_byte_order
     h_mask = offs_h < GROUP
     q_head = kvh * GROUP + offs_h
-    # Value part k (halves for 4-bit codes, quarters for 3-bit) holds 16^k or 4^k x 2^-24 x the codes;
-    # out = codes . (P * scale) + sum(P * zero)
-    VPARTS: gl.constexpr = 2 if V_BITS == 4 else 4
-    VSHIFT: gl.constexpr = 4 if V_BITS == 4 else 2
-    acc = acc * (_UNSUB * gl.exp2((rows // (HEAD_DIM // VPARTS)).to(gl.float32) * -VSHIFT))[:, None] + z_i[None, :]
+    # Value half k holds 16^k x 2^-24 x the codes; out = codes . (P * scale) + sum(P * zero)
+    acc = acc * (_UNSUB * gl.exp2((rows // (HEAD_DIM // 2)).to(gl.float32) * -4.0))[:, None] + z_i[None, :]
     _store_result(acc, m_i, l_i, q_head, h_mask, offs_d, seq, split, num_splits, sinks_ptr, out_ptr, part_out_ptr,
                   part_lse_ptr, stride_ob, stride_oh, NUM_KV, GROUP, HEAD_DIM, HAS_SINKS, IS_SPLIT)
 
@@ -663,7 +553,7 @@ def supported(query: torch.Tensor, cache: torch.Tensor, fmt: str) -> tuple[bool,
 
 def query_order(fmt: str, head_dim: int) -> torch.Tensor:
     """The head coordinate of the query at each K index of the score MMA: `operand_order` for FP8 keys (fp16
-    wgmma), `turboquant.int8_operand_order` for centroid keys (int8 wgmma)."""
+    wgmma), `turboquant.int8_operand_order` for centroid keys (the per-warp kernel's int8 mma.sync)."""
     if tq_layout(fmt, head_dim).key_fp8:
         return operand_order(head_dim)
     return int8_operand_order(fmt, head_dim)
@@ -716,6 +606,7 @@ def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cach
         raise ValueError(f"TQGluonConfig: block_n must be 64 or 128, got {cfg}")
     num_kv_heads = cache.shape[1]
     cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, cfg)
+    cx = {k: v for k, v in cx.items() if k in _tq_gluon_kernel.arg_names}  # the rest are `tq_warp`'s
     part_out, part_lse = split_partials(out, splits)
     _tq_gluon_kernel[(num_kv_heads, splits, batch)](
         q16, _kernel_table(fmt, head_dim, str(cache.device)), cache.view(torch.int32), cache.view(torch.int16),

@@ -479,16 +479,17 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       batch 1 29.0 / 28.4, 31.3 / 28.9, 34.9 / 31.8; Llama layer batch 8 290.1 / 290.4, 266.0 / 261.2, 278.5 /
       259.2. With fewer registers four pages per warp won back k3v4_nc and 3bit_nc at head_dim 64: k3v4_nc
       (unrolled) 146.6 us at batch 8, 27.9 at batch 1; 3bit_nc (one tile per iteration) 162.4 and 29.4; 3bit_nc
-      two pages capped and unrolled 178.1.
+      two pages capped and unrolled 178.1. 3bit_nc's four pages then take two tiles per iteration as well
+      (`... OUT unroll3` on aaaa0a2, `bench/results_tq_warp_order/probe_unroll3.log`, one / two): batch 8
+      160.5 / 156.4 us at 128k, 12.8 / 12.6 at 4k; batch 1 27.9 / 27.0 and 7.2 / 7.7.
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
       for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
       128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
     from kvpolicy.kernels import tq_warp
 
     if fmt in tq_warp.FORMATS:
-        return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True,
-                             unroll=not (head_dim == 64 and fmt == "turboquant_3bit_nc"), mma_sums=True,
-                             rotate_query=True)
+        return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True, unroll=True,
+                             mma_sums=True, rotate_query=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)

@@ -751,7 +751,7 @@ FORMATS = WARP_ORDER_FORMATS
 kernel's order (`turboquant.warp_plane_order`)."""
 REGISTERS = {"turboquant_4bit_nc": {(64, 64): 96, (64, 128): 153, (64, 256): 231, (128, 64): 145, (128, 128): 199},
              "turboquant_k3v4_nc": {(64, 64): 110, (64, 128): 154, (64, 256): 218, (128, 64): 147, (128, 128): 202},
-             "turboquant_3bit_nc": {(64, 64): 114, (64, 128): 148, (64, 256): 217, (128, 64): 147,
+             "turboquant_3bit_nc": {(64, 64): 114, (64, 128): 148, (64, 256): 223, (128, 64): 147,
                                     (128, 128): 198}}
 """Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
 two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on and, for the default tiles (256 at head_dim 64, 128 at

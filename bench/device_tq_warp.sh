@@ -72,10 +72,13 @@
 #            registers open on the gpt-oss layer, and the same defaults on the kernels before it
 #            (.ab/base_kernels/: 048d9b5's kernels/*.py, git-ignored: carry it). The probes' JSON files go
 #            into one tarball (the device returns at most 8 files).
+#   keylane: GPU tests of the defaults (agrees, rotate_query), then the defaults of 4bit_nc and 3bit_nc on the
+#            gpt-oss layer (128k, batch 8 and 1) with the key blocks at each lane's place, and the same on the
+#            kernels before it (.ab/base_kernels/: 24c72bb's kernels/*.py, git-ignored: carry it).
 #   unroll3: 3bit_nc on the gpt-oss layer, four pages per warp, one or two tiles per iteration (582 against 626
 #            instructions per tile with the pages in thread order), 4k and 128k, batch 8 and 1.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -349,6 +352,16 @@ elif [ "$2" = warporder ]; then
   cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"
   grep -v "^==" "$out/probe_warporder.log" | grep -E " us \(" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
   tar -C "$out" -czf "$out/probe_warporder_json.tgz" $(cd "$out" && ls probe_*.json) && rm "$out"/probe_*.json
+elif [ "$2" = keylane ]; then
+  timeout 90 python3 -m pytest -q tests/kernels/test_tq_gluon.py -p no:cacheprovider -k "agrees or rotating" \
+    > "$out/pytest_keylane.log" 2>&1
+  tail -1 "$out/pytest_keylane.log"
+  c="--geometries gpt-oss-20b --contexts 131072 --batch 8,1 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --unroll 1 --block-n 256 --split-scale 1"
+  logged_probe probe_keylane.log keylane --formats turboquant_4bit_nc,turboquant_3bit_nc $c
+  mkdir -p "$out/kernels_new"; cp kernels/*.py "$out/kernels_new/"; cp .ab/base_kernels/*.py kernels/
+  logged_probe probe_keylane.log base --formats turboquant_4bit_nc,turboquant_3bit_nc $c
+  cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"
+  grep -E "^==| us \(" "$out/probe_keylane.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
 elif [ "$2" = unroll3 ]; then
   logged_probe probe_unroll3.log unroll3 --geometries gpt-oss-20b --formats turboquant_3bit_nc --block-n 256 --unroll 0,1 \
     --contexts 4096,131072 --batch 8,1 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --split-scale 1

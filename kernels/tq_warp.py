@@ -377,13 +377,13 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
     # Each plane holds every thread's words of a page as one block (`turboquant.warp_plane_order`): one vector
     # load per thread, page and plane, reshaped here to the words' old [token, word] order.
-    # keys: thread (r, c)'s quarter c of rows r and r + 8, CW words each
+    # keys: thread (r, c)'s quarter c of rows r and r + 8, CW words each, at its lane's block (as the values')
     CW: gl.constexpr = KBM // 16
     kb = gl.convert_layout(base, sliced(K_LAYOUT, (0, 1), 5))[:, :, None, None, None]
     kr = gl.arange(0, 8, layout=sliced(K_LAYOUT, (2,), 5))[None, None, :, None, None]
     kq = gl.arange(0, 4, layout=sliced(K_LAYOUT, (3,), 5))[None, None, None, :, None]
     kv = gl.arange(0, 2 * CW, layout=sliced(K_LAYOUT, (4,), 5))[None, None, None, None, :]
-    kc = _key_words(gl.load(cache32_ptr + kb + ((kq * 8 + kr) * (2 * CW) + kv)), BN, CW)
+    kc = _key_words(gl.load(cache32_ptr + kb + ((kr * 4 + kq) * (2 * CW) + kv)), BN, CW)
     ks = 0
     if KEY_BITS == 3:
         # the 1-bit plane: block c mod 2 of rows r and r + 8 (the same CW words per row), shifted by c // 2 so

@@ -314,7 +314,7 @@ def warp_plane_order(kind: str, nbytes: int) -> torch.Tensor:
     vectors instead of one word per row (and gets the value bytes of two tokens already interleaved).
     Tokens t = 8 r8 + r = 8 r8 + 2 c + r1 (c the thread in its lane group, r the lane group):
     - "key" (4-bit codes or the 2-bit plane, words of `cw` = nbytes / 16 per quarter row): thread (r, c)'s
-      quarter c of rows r and r + 8, together;
+      quarter c of rows r and r + 8, together, at block 4 r + c (its lane);
     - "key1" (the 1-bit plane of 3-bit keys, the words of the 2-bit plane's quarters c and c + 2 of a row):
       half c mod 2 of rows r and r + 8, together;
     - "value" (4-bit codes or the 2-bit plane: group g = the thread's nbytes / 8 bytes; "value1", the 1-bit
@@ -327,7 +327,10 @@ def warp_plane_order(kind: str, nbytes: int) -> torch.Tensor:
     if kind in ("key", "key1"):
         cw = nbytes // (16 if kind == "key" else 8)
         w = b // 4
-        return 4 * (((w // cw * 8 + r) * 2 + r8) * cw + w % cw) + b % 4
+        # "key": block r * 4 + c (the lane), as the value plane's g * 4 + c, so that where both blocks have
+        # the same size one address per page serves both; "key1": block c mod 2 of row r (shared by c, c + 2)
+        block = r * 4 + w // cw if kind == "key" else w // cw * 8 + r
+        return 4 * ((block * 2 + r8) * cw + w % cw) + b % 4
     group = {"value": nbytes // 8, "value1": nbytes // 4, "field": 2}[kind]
     g, q, y = b // group, (b % group) // 2, b % 2
     return (((((g * 4 + c) * 2 + r8) * (group // 2) + q) * 2 + r1) * 2) + y

@@ -142,7 +142,7 @@ def test_key_words_come_back_in_the_tile_order(key_bits: int, d: int, ppw: int) 
     def key_words(x: torch.Tensor) -> torch.Tensor:  # `tq_warp._key_words`
         return x.reshape(4, ppw, 8, 4, 2, cw).permute(0, 1, 4, 2, 3, 5).reshape(n, 4 * cw)
 
-    kc = key_words(_load_blocks(_plane_words(tile[:, :nb], "key"), ppw, 2 * cw, lambda r, c: c * 8 + r))
+    kc = key_words(_load_blocks(_plane_words(tile[:, :nb], "key"), ppw, 2 * cw, lambda r, c: r * 4 + c))
     assert torch.equal(kc, _words(tile[:, :nb]))
     if key_bits == 3:
         shift = (torch.arange(4) // 2)[None, None, None, :, None]

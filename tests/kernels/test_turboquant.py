@@ -347,7 +347,8 @@ def test_warp_plane_order_gives_each_thread_its_rows_as_one_aligned_vector(head_
         pos = warp_plane_order(kind, n)
         for r in range(8):
             for c in range(n // quarter):
-                block = torch.arange(2 * quarter) + (c * 8 + r) * 2 * quarter
+                index = r * 4 + c if kind == "key" else c * 8 + r  # the lane, or half c of row r
+                block = torch.arange(2 * quarter) + index * 2 * quarter
                 got = torch.cat([pos[r, c * quarter:(c + 1) * quarter], pos[r + 8, c * quarter:(c + 1) * quarter]])
                 assert torch.equal(got, block), (kind, n, r, c)
 

@@ -273,7 +273,7 @@ def value_unit(head_dim: int, value_bits: int = 4) -> torch.Tensor:
 @gluon.jit
 def _keys_operand(kc, ks, table, BN: gl.constexpr, KBM: gl.constexpr, HEAD_DIM: gl.constexpr,
                   KEY_BITS: gl.constexpr):
-    """Key code words [BN, KBM/4] (`key_layout` flattened; 3-bit keys: the 2-bit plane's words, and in `ks` the
+    """Key code words [BN, KBM/4] (`_key_words`; 3-bit keys: the 2-bit plane's words, and in `ks` the
     matching 1-bit words) -> the int8 B operand K_w^T [4, D, BN/4]: output g of word m of thread c at
     K = 16 (m G + g) + 4 c + i (`turboquant.int8_operand_order`, G = 2 or 4 outputs per code byte)."""
     W: gl.constexpr = KBM // 4
@@ -370,7 +370,7 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
             FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, MMA_SUMS: gl.constexpr,
             FW: gl.constexpr, XP: gl.constexpr):
     """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (3-bit keys also the
-    matching 1-bit words, as `tq_gluon._plane_words`, else 0), value words [BN/2, 8, Q] of two tokens each
+    matching 1-bit words: word w mod D/32 of the row shifted right by w // (D/32), else 0), value words [BN/2, 8, Q] of two tokens each
     (`_value_words`; 3-bit values also the shifted 1-bit words, else 0), the fp16 fields [4, BN/4] in fp32 in
     the score columns' layout (MMA_SUMS: the words of two tokens [4, BN/8] as loaded, in `pair_layout`'s
     columns: carried through the loop as words, they need no repacking for the f16x2 instructions)."""
@@ -387,7 +387,7 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     ks = 0
     if KEY_BITS == 3:
         # the 1-bit plane: block c mod 2 of rows r and r + 8 (the same CW words per row), shifted by c // 2 so
-        # that it lines up with the 2-bit words (`tq_gluon._plane_words`)
+        # that bit 2s of each byte is the sign of quarter s of the matching 2-bit byte (`k3_int8_program`'s $5)
         ks = gl.load(cache32_ptr + kb + 4 * KBM + (((kq % 2) * 8 + kr) * (2 * CW) + kv)) >> (kq // 2)
         ks = _key_words(ks, BN, CW)
     # values: thread (g, c)'s bytes of rows 2c, 2c + 1, 8 + 2c, 9 + 2c, as words of a byte pair of two tokens

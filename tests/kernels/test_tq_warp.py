@@ -133,7 +133,7 @@ def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int) 
 def test_key_words_come_back_in_the_tile_order(key_bits: int, d: int, ppw: int) -> None:
     """`_load_w`'s key loads and `_key_words`: word w of token t is word w of the token's row of the first key
     plane (what `_keys_operand` reads), and for 3-bit keys the matching 1-bit word is that row's word
-    w mod D/32 shifted right by w // (D/32) (`tq_gluon._plane_words`)."""
+    w mod D/32 shifted right by w // (D/32) (what `turboquant.k3_int8_program` takes as sign words)."""
     n = 64 * ppw
     nb = d // 2 if key_bits == 4 else d // 4
     cw = nb // 16

@@ -445,7 +445,7 @@ def test_int8_operand_order_is_the_relabelled_unpack(fmt: str, d: int) -> None:
         else:
             e = d // 8
             j = torch.arange(c * w, (c + 1) * w)
-            # the kernel's sign words (`tq_gluon._plane_words`): byte j mod D/8 of the 1-bit plane >> j // (D/8)
+            # the kernel's sign words (`tq_warp._load_w`): byte j mod D/8 of the 1-bit plane >> j // (D/8)
             regs = emulate_ptx(k3_int8_program(), {"$4": p2, "$5": words(packed[plane + j % e] >> (j // e)),
                                                      "$6": int8_table_word(3)})
         for m in range(w // 4):

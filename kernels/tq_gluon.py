@@ -495,14 +495,10 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)
 
 
-REGISTERS = {
-    "turboquant_k8v4": {(128, 128): 235, (128, 64): 152, (64, 64): 95, (64, 128): 161},
-    "turboquant_4bit_nc": {(128, 128): 216, (128, 64): 125, (64, 64): 89, (64, 128): 162},
-    "turboquant_k3v4_nc": {(128, 128): 224, (128, 64): 128, (64, 64): 101, (64, 128): 160},
-    "turboquant_3bit_nc": {(128, 128): 247, (128, 64): 127, (64, 64): 95, (64, 128): 158},
-}
-"""Registers per thread of the sm_90 compile (Triton 3.6, no cap, lazy max; `bench/sass_mix.py --tq-gluon FORMAT
---head-dim D --block-n N`) by format and (head_dim, block_n); `TQGluonConfig.maxnreg` overrides them."""
+REGISTERS = {"turboquant_k8v4": {(128, 128): 235, (128, 64): 152, (64, 64): 95, (64, 128): 161}}
+"""Registers per thread of the warpgroup kernel's sm_90 compile (Triton 3.6, no cap, lazy max; `bench/sass_mix.py
+--tq-gluon FORMAT --head-dim D --block-n N`) by format (k8v4, the one it decodes) and (head_dim, block_n);
+`TQGluonConfig.maxnreg` overrides them (the per-warp formats: `tq_warp.REGISTERS`)."""
 
 
 def smem_bytes(head_dim: int, cfg: TQGluonConfig) -> int:

@@ -341,6 +341,17 @@ def _pages_w(bt_row, tile, seq_len, PPW: gl.constexpr, FL: gl.constexpr):
 
 
 @gluon.jit
+def _block_axes(base, L: gl.constexpr):
+    """The page bases [4, PPW] and the lane group, thread and word indices of `block_layout` L, each broadcast to
+    its rank-5 shape: a block's words are at base + (its block index) x L.shape[4] + word."""
+    b = gl.convert_layout(base, sliced(L, (0, 1), 5))[:, :, None, None, None]
+    i = gl.arange(0, 8, layout=sliced(L, (2,), 5))[None, None, :, None, None]
+    c = gl.arange(0, 4, layout=sliced(L, (3,), 5))[None, None, None, :, None]
+    v = gl.arange(0, L.shape[4], layout=sliced(L, (4,), 5))[None, None, None, None, :]
+    return b, i, c, v
+
+
+@gluon.jit
 def _key_words(x, BN: gl.constexpr, CW: gl.constexpr):
     """A key plane's blocks [4, PPW, r, c, 2 CW] -> words [BN, 4 CW] (token 16 (PPW w + pg) + 8 r8 + r, word
     CW c + k), the order `_keys_operand` reads."""
@@ -370,19 +381,16 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
             FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, MMA_SUMS: gl.constexpr,
             FW: gl.constexpr, XP: gl.constexpr):
     """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (3-bit keys also the
-    matching 1-bit words: word w mod D/32 of the row shifted right by w // (D/32), else 0), value words [BN/2, 8, Q] of two tokens each
-    (`_value_words`; 3-bit values also the shifted 1-bit words, else 0), the fp16 fields [4, BN/4] in fp32 in
-    the score columns' layout (MMA_SUMS: the words of two tokens [4, BN/8] as loaded, in `pair_layout`'s
+    matching 1-bit words: word w mod D/32 of the row shifted right by w // (D/32), else 0), value words
+    [BN/2, 8, Q] of two tokens each (`_value_words`; 3-bit values also the shifted 1-bit words, else 0), the
+    fp16 fields [4, BN/4] in fp32 in the score columns' layout (MMA_SUMS: the words of two tokens [4, BN/8] as loaded, in `pair_layout`'s
     columns: carried through the loop as words, they need no repacking for the f16x2 instructions)."""
     base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
     # Each plane holds every thread's words of a page as one block (`turboquant.warp_plane_order`): one vector
     # load per thread, page and plane, reshaped here to the words' old [token, word] order.
     # keys: thread (r, c)'s quarter c of rows r and r + 8, CW words each, at its lane's block (as the values')
     CW: gl.constexpr = KBM // 16
-    kb = gl.convert_layout(base, sliced(K_LAYOUT, (0, 1), 5))[:, :, None, None, None]
-    kr = gl.arange(0, 8, layout=sliced(K_LAYOUT, (2,), 5))[None, None, :, None, None]
-    kq = gl.arange(0, 4, layout=sliced(K_LAYOUT, (3,), 5))[None, None, None, :, None]
-    kv = gl.arange(0, 2 * CW, layout=sliced(K_LAYOUT, (4,), 5))[None, None, None, None, :]
+    kb, kr, kq, kv = _block_axes(base, K_LAYOUT)
     kc = _key_words(gl.load(cache32_ptr + kb + ((kr * 4 + kq) * (2 * CW) + kv)), BN, CW)
     ks = 0
     if KEY_BITS == 3:
@@ -392,10 +400,8 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
         ks = _key_words(ks, BN, CW)
     # values: thread (g, c)'s bytes of rows 2c, 2c + 1, 8 + 2c, 9 + 2c, as words of a byte pair of two tokens
     NV: gl.constexpr = V_LAYOUT.shape[4]
-    vb = gl.convert_layout(base, sliced(V_LAYOUT, (0, 1), 5))[:, :, None, None, None] + 4 * KB
-    vg = gl.arange(0, 8, layout=sliced(V_LAYOUT, (2,), 5))[None, None, :, None, None]
-    vq = gl.arange(0, 4, layout=sliced(V_LAYOUT, (3,), 5))[None, None, None, :, None]
-    vv = gl.arange(0, NV, layout=sliced(V_LAYOUT, (4,), 5))[None, None, None, None, :]
+    vb, vg, vq, vv = _block_axes(base, V_LAYOUT)
+    vb = vb + 4 * KB
     vc = _value_words(gl.load(cache32_ptr + vb + ((vg * 4 + vq) * NV + vv)), BN)
     vh = 0
     if V_BITS == 3:

@@ -336,8 +336,8 @@ def warp_plane_order(kind: str, nbytes: int) -> torch.Tensor:
     return (((((g * 4 + c) * 2 + r8) * (group // 2) + q) * 2 + r1) * 2) + y
 
 
-def _plane_kinds(fmt: str, head_dim: int) -> list[str]:
-    """`warp_plane_order`'s kind of each code plane (`code_planes` order)."""
+def plane_kinds(fmt: str, head_dim: int) -> list[str]:
+    """`warp_plane_order`'s kind of each code plane, in `code_planes` order."""
     lay = tq_layout(fmt, head_dim)
     return (["key", "key1"] if lay.key_bits == 3 else ["key"]) + (["value", "value1"] if lay.value_bits == 3
                                                                    else ["value"])
@@ -350,8 +350,9 @@ def _planar_source(fmt: str, head_dim: int, block_size: int) -> torch.Tensor:
     follow one another, or, for `WARP_ORDER_FORMATS`, `warp_plane_order`."""
     lay = tq_layout(fmt, head_dim)
     tok = torch.arange(block_size)
-    planes = [(off, n) for off, n in code_planes(fmt, head_dim)] + [(off, 2) for off in field_planes(fmt, head_dim)]
-    kinds = _plane_kinds(fmt, head_dim) + ["field"] * len(field_planes(fmt, head_dim))
+    fields = field_planes(fmt, head_dim)
+    planes = list(code_planes(fmt, head_dim)) + [(off, 2) for off in fields]
+    kinds = plane_kinds(fmt, head_dim) + ["field"] * len(fields)
     parts = []
     for (off, n), kind in zip(planes, kinds):
         src = (tok[:, None] * lay.slot_bytes + off + torch.arange(n)[None, :])

@@ -119,7 +119,7 @@ def test_gluon_routing_says_why(device: str) -> None:
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
 @pytest.mark.parametrize("d, hq", SHAPES)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("block_n, maxnreg, ahead, sum_pages", [(64, None, 2, False), (64, 128, 2, False),
@@ -140,7 +140,7 @@ def test_per_warp_kernel_matches_reference(fmt: str, d: int, hq: int, window, si
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("sum_pages", [False, True])
 def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, splits, sum_pages: bool, device: str,
@@ -155,7 +155,7 @@ def test_per_warp_four_pages_matches_reference(fmt: str, window, sinks: bool, sp
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("d, hq, block_n, ahead, unroll, mma_sums", [
     (64, 64, 256, 2, True, False), (128, 32, 128, 2, True, False), (128, 8, 64, 1, True, False),
@@ -179,7 +179,7 @@ def test_per_warp_unrolled_and_mma_sums_match_reference(fmt: str, window, sinks:
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("d, hq", [(64, 64), (128, 32), (128, 8), (64, 8)])
 def test_per_warp_rotating_the_query_in_the_kernel_matches_reference(fmt: str, window, sinks: bool, splits, d: int,
@@ -196,7 +196,7 @@ def test_per_warp_rotating_the_query_in_the_kernel_matches_reference(fmt: str, w
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("unroll", [False, True])
 def test_per_warp_two_pages_under_a_register_cap_match_reference(fmt: str, window, sinks: bool, splits,
@@ -204,7 +204,8 @@ def test_per_warp_two_pages_under_a_register_cap_match_reference(fmt: str, windo
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Two pages per warp at head_dim 64 with the sums by mma.sync, the query rotated in the kernel and at most
     128 registers per thread (4 programs per SM, the split count sized for them): the compile may keep values
-    in fewer registers or spill (3bit_nc with two tiles per iteration: 56 bytes), and must stay exact."""
+    in fewer registers or spill (3bit_nc with two tiles per iteration spilled 56 bytes before its pages were in
+    thread order), and must stay exact."""
     from kvpolicy.kernels import tq_gluon
 
     cfg = tq_gluon.TQGluonConfig(block_n=128, per_warp=True, sum_pages=True, unroll=unroll, mma_sums=True,
@@ -275,6 +276,22 @@ def test_kernel_table_holds_the_query_order_then_the_prmt_table_word(fmt: str, d
     else:
         b = int8_centroids(lay.key_bits)[0]
         assert int(table[d]) == int8_table_word(lay.key_bits) == b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+
+
+@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
+def test_warpgroup_kernel_refuses_pages_in_the_per_warp_order(fmt: str) -> None:
+    """A config without `per_warp` for a format whose pages are in the per-warp kernel's order is refused with
+    what to do, before anything is launched (the warpgroup kernel would read the bytes as rows)."""
+    from kvpolicy.kernels import tq_gluon
+    from kvpolicy.kernels.turboquant import allocate_tq_planar_cache
+
+    d = 64
+    query = torch.zeros(1, 8, d)
+    cache = allocate_tq_planar_cache(2, 16, 1, d, fmt)
+    with pytest.raises(ValueError, match="per_warp=True"):
+        tq_gluon.decode_tq_gluon(query, query, 1.0, cache, fmt, torch.zeros(1, 2, dtype=torch.int32),
+                                 torch.tensor([20], dtype=torch.int32), sliding_window=None, sinks=None, splits=1,
+                                 out=torch.empty_like(query), config=tq_gluon.TQGluonConfig(block_n=64))
 
 
 @pytest.mark.gpu

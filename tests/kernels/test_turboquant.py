@@ -41,6 +41,7 @@ from kvpolicy.kernels.turboquant import (
     k4_program,
     lloyd_max_codebook,
     planar_from_slots,
+    plane_kinds,
     render_ptx,
     rotation_t_signs,
     sign_magnitude_codebook,
@@ -311,9 +312,8 @@ def test_planar_pages_hold_the_slots_bytes_in_aligned_planes(fmt: str, head_dim:
     assert sum(n for _, n in planes[:split]) == lay.key_bytes and sum(n for _, n in planes[split:]) == lay.val_bytes
     assert len(planes) == split + (2 if lay.value_bits == 3 else 1)
     warp = fmt in WARP_ORDER_FORMATS
-    kinds = ["key", "key1"][:split] + ["value", "value1"][:len(planes) - split]
     start = 0
-    for (off, n), kind in zip(planes, kinds):
+    for (off, n), kind in zip(planes, plane_kinds(fmt, head_dim)):
         assert start % 16 == 0 and n % 4 == 0
         at = start + (warp_plane_order(kind, n)[t] if warp else t * n + torch.arange(n))
         assert torch.equal(page[at], slots[1, t, 2, off:off + n])

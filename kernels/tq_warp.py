@@ -152,7 +152,8 @@ _V_WORD_ASM = gl.constexpr(render_ptx(v_word_program()))
 def v3_word_program() -> list:
     """3-bit values of two tokens: $8 = a 2-bit plane word as the page holds it (byte pair q of token a, then
     of token b; byte i, bits 2s and 2s + 1: the low bits of quarter s), $9 = the 1-bit plane word of the same
-    codes, shifted so that bit 2s of byte i is the high bit of the same code (`_load_w`) -> 8 words of fp16
+    codes as loaded (bit 2s + e of byte i is the high bit of the same code, e = g // 4: threads g and g + 4
+    share the word), $10 = 2 - e, $11 = 6 + e (the shifts that take those bits to 2s + 2) -> 8 words of fp16
     subnormal pairs (token a low half, token b high half), 4^s x code x 2^-24: output 4 tt + s is quarter s of
     byte tt of the pair. Three shifts put each quarter's high bit at 2s + 2, just above its low bits; then per
     byte two selects, each the low bits of two quarters that do not touch (0 and 2, or 1 and 3) with the high
@@ -160,8 +161,8 @@ def v3_word_program() -> list:
     `turboquant.v3_subnormal_program`, took four)."""
     low02 = 0x33333333  # bits 2s, 2s + 1 of quarters 0 and 2 of every byte
     prog = [("shr", "p1", "$8", 8),
-            ("shl", "h0", "$9", 2),  # byte 0's high bits from 2s to 2s + 2
-            ("shr", "h1", "$9", 6)]  # byte 1's: bit 8 + 2s to 2s + 2 (a left shift would lose bit 30)
+            ("shl", "h0", "$9", "$10"),  # byte 0's high bits from 2s (+ the thread's parity) to 2s + 2
+            ("shr", "h1", "$9", "$11")]  # byte 1's: bit 8 + 2s to 2s + 2 (a left shift would lose bit 30)
     for tt, (lo, hi) in ((0, ("$8", "h0")), (1, ("p1", "h1"))):
         prog += [("lop3", "y02", lo, hi, low02, SELECT),  # quarters 0, 2: bits 0-2 and 4-6
                  ("lop3", "y13", hi, lo, low02, SELECT)]  # quarters 1, 3: bits 2-4 and 6-8
@@ -321,8 +322,11 @@ def _values_operand3(v2, v1, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: 
     """3-bit value words [BN/2, 8, D/64] (`_load_w`: token pair, thread g, byte pair; the 2-bit plane's and the
     shifted 1-bit plane's) -> the fp16 A operand V_w^T [4, D, BN/4] of exact subnormals (4^s x code x 2^-24),
     row 16 t + 8 u + g = dim `dim_of_row(D, 3)`, column = the warp's token 16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
-    o = gl.inline_asm_elementwise(_V3_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [v2, v1], dtype=(gl.int32,) * 8,
-                                  is_pure=True, pack=1)
+    # thread g's parity e = g // 4 in the shifts of the program instead of a shift of each loaded word
+    e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, v1.type.layout)))[None, :, None] // 4
+    zero = gl.zeros_like(v1)
+    o = gl.inline_asm_elementwise(_V3_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [v2, v1, zero + (2 - e), zero + (6 + e)],
+                                  dtype=(gl.int32,) * 8, is_pure=True, pack=1)
     # output 4 tt + s: the nested joins give the axes (q, hh, s0, s1, tt) after the pair and g axes; q goes last
     y = gl.join(gl.join(gl.join(_halves(o[0]), _halves(o[1])), gl.join(_halves(o[2]), _halves(o[3]))),
                 gl.join(gl.join(_halves(o[4]), _halves(o[5])), gl.join(_halves(o[6]), _halves(o[7]))))
@@ -405,9 +409,8 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
     vc = _value_words(gl.load(cache32_ptr + vb + ((vg * 4 + vq) * NV + vv)), BN)
     vh = 0
     if V_BITS == 3:
-        # the 1-bit plane: threads g and g + 4 share the block of g mod 4, shifted by g // 4 into place
-        vh = gl.load(cache32_ptr + vb + 4 * VBM + (((vg % 4) * 4 + vq) * NV + vv)) >> (vg // 4)
-        vh = _value_words(vh, BN)
+        # the 1-bit plane: threads g and g + 4 share the block of g mod 4 (`v3_word_program` shifts by g // 4)
+        vh = _value_words(gl.load(cache32_ptr + vb + 4 * VBM + (((vg % 4) * 4 + vq) * NV + vv)), BN)
 
     # fields of the tokens in the score's columns (planes of 16 halves per page)
     if MMA_SUMS:

@@ -113,10 +113,9 @@ def test_values_operand3_holds_each_tokens_codes_in_row_order(d: int, ppw: int) 
     packed = _pack_codes(codes, 3)
     plane2, plane1 = _plane_words(packed[:, : d // 4], "value"), _plane_words(packed[:, d // 4:], "value1")
     v2 = _value_words(_load_blocks(plane2, ppw, d // 32, lambda g, c: g * 4 + c), n)
-    shift = (torch.arange(8) // 4)[None, None, None, :, None]  # [4, ppw, g, c, v] before the relabelling
-    v1 = _load_blocks(plane1, ppw, d // 32, lambda g, c: (g % 4) * 4 + c)
-    v1 = _value_words(v1 >> shift.permute(0, 1, 3, 2, 4), n) & 0xFFFFFFFF
-    regs = emulate_ptx(v3_word_program(), {"$8": v2, "$9": v1})
+    v1 = _value_words(_load_blocks(plane1, ppw, d // 32, lambda g, c: (g % 4) * 4 + c), n)
+    e = (torch.arange(8) // 4)[None, :, None].expand_as(v1)  # thread g's bit parity in the shared word
+    regs = emulate_ptx(v3_word_program(), {"$8": v2, "$9": v1, "$10": 2 - e, "$11": 6 + e})
 
     h = [_halves(regs[f"${i}"]) for i in range(8)]
     y = _join8(h).permute(0, 1, 3, 4, 5, 6, 2)

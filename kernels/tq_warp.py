@@ -383,42 +383,46 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
             VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr,
             FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, MMA_SUMS: gl.constexpr,
-            FW: gl.constexpr, XP: gl.constexpr):
+            FW: gl.constexpr, XP: gl.constexpr, OFF32: gl.constexpr):
     """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (3-bit keys also the
     matching 1-bit words: word w mod D/32 of the row shifted right by w // (D/32), else 0), value words
     [BN/2, 8, Q] of two tokens each (`_value_words`; 3-bit values also the shifted 1-bit words, else 0), the
     fp16 fields [4, BN/4] in fp32 in the score columns' layout (MMA_SUMS: the words of two tokens [4, BN/8] as loaded, in `pair_layout`'s
     columns: carried through the loop as words, they need no repacking for the f16x2 instructions)."""
-    base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
+    # Each page's first 32-bit word [4, PPW]. OFF32 (caches under 8 GiB): in int32, so that each load's address is
+    # one IMAD.WIDE from a per-thread pointer fixed for the whole loop, instead of a 64-bit add per page and lane.
+    if OFF32:
+        base = (pw * NUM_KV + kvh) * (4 * SLOT)
+    else:
+        base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
     # Each plane holds every thread's words of a page as one block (`turboquant.warp_plane_order`): one vector
     # load per thread, page and plane, reshaped here to the words' old [token, word] order.
     # keys: thread (r, c)'s quarter c of rows r and r + 8, CW words each, at its lane's block (as the values')
     CW: gl.constexpr = KBM // 16
     kb, kr, kq, kv = _block_axes(base, K_LAYOUT)
-    kc = _key_words(gl.load(cache32_ptr + kb + ((kr * 4 + kq) * (2 * CW) + kv)), BN, CW)
+    kc = _key_words(gl.load((cache32_ptr + ((kr * 4 + kq) * (2 * CW) + kv)) + kb), BN, CW)
     ks = 0
     if KEY_BITS == 3:
         # the 1-bit plane: block c mod 2 of rows r and r + 8 (the same CW words per row), shifted by c // 2 so
         # that bit 2s of each byte is the sign of quarter s of the matching 2-bit byte (`k3_int8_program`'s $5)
-        ks = gl.load(cache32_ptr + kb + 4 * KBM + (((kq % 2) * 8 + kr) * (2 * CW) + kv)) >> (kq // 2)
+        ks = gl.load((cache32_ptr + (4 * KBM + ((kq % 2) * 8 + kr) * (2 * CW) + kv)) + kb) >> (kq // 2)
         ks = _key_words(ks, BN, CW)
     # values: thread (g, c)'s bytes of rows 2c, 2c + 1, 8 + 2c, 9 + 2c, as words of a byte pair of two tokens
     NV: gl.constexpr = V_LAYOUT.shape[4]
     vb, vg, vq, vv = _block_axes(base, V_LAYOUT)
-    vb = vb + 4 * KB
-    vc = _value_words(gl.load(cache32_ptr + vb + ((vg * 4 + vq) * NV + vv)), BN)
+    vc = _value_words(gl.load((cache32_ptr + (4 * KB + (vg * 4 + vq) * NV + vv)) + vb), BN)
     vh = 0
     if V_BITS == 3:
         # the 1-bit plane: threads g and g + 4 share the block of g mod 4 (`v3_word_program` shifts by g // 4)
-        vh = _value_words(gl.load(cache32_ptr + vb + 4 * VBM + (((vg % 4) * 4 + vq) * NV + vv)), BN)
+        vh = _value_words(gl.load((cache32_ptr + (4 * KB + 4 * VBM + ((vg % 4) * 4 + vq) * NV + vv)) + vb), BN)
 
     # fields of the tokens in the score's columns (planes of 16 halves per page)
     if MMA_SUMS:
         # thread c: the words of tokens 2c, 2c + 1 and 8 + 2c, 9 + 2c, together
-        wb = gl.convert_layout(base, sliced(FW, (0, 1), 4))[:, :, None, None] + 4 * (KB + VB)
+        wb = gl.convert_layout(base, sliced(FW, (0, 1), 4))[:, :, None, None]
         fq = gl.arange(0, 4, layout=sliced(FW, (2,), 4))[None, None, :, None]
         fr = gl.arange(0, 2, layout=sliced(FW, (3,), 4))[None, None, None, :]
-        fw = cache32_ptr + wb + (fq * 2 + fr)
+        fw = (cache32_ptr + (4 * (KB + VB) + fq * 2 + fr)) + wb
         wl: gl.constexpr = gl.SliceLayout(1, XP)
         knorm = gl.convert_layout(_field_words(gl.load(fw), BN), wl)
         vscale = gl.convert_layout(_field_words(gl.load(fw + 8 * (NF - 2)), BN), wl)
@@ -614,7 +618,7 @@ def _tq_warp_kernel(
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
     MMA_SUMS: gl.constexpr, FW: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr,
     UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, ROTATE: gl.constexpr,
+    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, ROTATE: gl.constexpr, OFF32: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
@@ -630,7 +634,7 @@ def _tq_warp_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
     kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL),
                                                    kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
+                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP, OFF32)
     # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
     table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
     pw = _pages_w(bt_row, tile_lo + 1, seq_len, PPW, FL)
@@ -680,7 +684,7 @@ def _tq_warp_kernel(
             bkc, bks, bvc, bvh, bknorm, bvscale, bvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
                                                                   HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
                                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT,
-                                                                  MMA_SUMS, FW, XP)
+                                                                  MMA_SUMS, FW, XP, OFF32)
             if PAGES_AHEAD == 2:
                 pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
             m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
@@ -690,7 +694,7 @@ def _tq_warp_kernel(
                 pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
             kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
                                                            SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, BN, PPW,
-                                                           XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP)
+                                                           XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP, OFF32)
             if PAGES_AHEAD == 2:
                 pw = _pages_w(bt_row, tile + 3, seq_len, PPW, FL)
             if tile + 1 < tile_hi:
@@ -705,7 +709,7 @@ def _tq_warp_kernel(
             nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
                                                                   HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
                                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT,
-                                                                  MMA_SUMS, FW, XP)
+                                                                  MMA_SUMS, FW, XP, OFF32)
             if PAGES_AHEAD == 2:
                 pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
             m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
@@ -809,7 +813,8 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
-        HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, ROTATE=cfg.rotate_query, num_warps=4,
+        HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, ROTATE=cfg.rotate_query,
+        OFF32=cache.nbytes // 4 < 2**31, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1:
         launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)

@@ -509,12 +509,16 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
         if not MMA_SUMS:
             vscale = gl.where(ok, vscale, 0.0)
             vzero = gl.where(ok, vzero, 0.0)
-    x = (x + qc[None, :, None]) * (qf[None, :, None] * knorm[:, None, :])
+    if KEY_BITS == 4:
+        x = x + qc[None, :, None]  # the table's half (`turboquant.int8_offset`); 3-bit keys have none
+    # y = score / qf, qf > 0 the head's: the scores' max is qf x y's, and qf joins the exponent's FFMA (one
+    # multiply per score less than scaling each score)
+    x = x * knorm[:, None, :]
     if EDGE:
         x = gl.where(ok[:, None, :], x, float("-inf"))
 
     # online softmax per warp and head (the max over a warp's tokens stays in the warp)
-    t_max = gl.max(x, 2)
+    t_max = gl.max(x, 2) * qf[None, :]
     if LAZY:
         # the reference max moves only when a score passes it by LAZY_MAX_MARGIN (P <= 2^4, as `tq_gluon`)
         m_new = gl.where(t_max > m_i + LAZY_MAX_MARGIN, t_max, m_i)
@@ -522,7 +526,7 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
         m_new = gl.maximum(m_i, t_max)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)  # exactly 1 where the max stayed (ex2 of 0): the rescale below is skipped
-    p = gl.exp2(x - m_use[:, :, None])
+    p = gl.exp2(x * qf[None, :, None] - m_use[:, :, None])
     if MMA_SUMS:
         # P as fp16 words of two tokens once: P x scale two tokens per instruction on the scale words as loaded,
         # and the sums by mma.sync (one per two pages) instead of an add and an FMA per score
@@ -658,7 +662,7 @@ def _tq_warp_kernel(
     b3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1, 1], [2, 1, 0])
     q3 = gl.expand_dims(gl.convert_layout(q16, gl.SliceLayout(0, b3)), 0) + gl.zeros([4, 16, HEAD_DIM], gl.int8, b3)
     q3 = gl.convert_layout(q3, QA)
-    # the score of head h: (Q_LO hi.b + lo.b + qc) qf knorm (`tq_gluon`)
+    # the score of head h: (Q_LO hi.b + lo.b + qc) qf knorm (`tq_gluon`; qc only for 4-bit keys)
     qf = gl.convert_layout(step * (1.0 / (Q_LO * I8_SCALE)), gl.SliceLayout(0, ROWL))
     qc = gl.convert_layout(0.5 * gl.sum(hi * Q_LO + lo, 1), gl.SliceLayout(0, ROWL))
 

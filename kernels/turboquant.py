@@ -604,26 +604,34 @@ def subnormal_byte_order(index):
 # sign-magnitude code is one XOR, and the 1/2 becomes one per-head constant (1/2 x the sum of the query).
 
 
+def int8_offset(bits: int) -> float:
+    """What the int8 score path adds to a table byte: 1/2 for 4-bit keys, whose sign is an XOR of the magnitude
+    byte (~b = -b - 1 stands for -(b + 1/2) only with the half), 0 for 3-bit keys, whose PRMT table holds
+    each negative byte as it is (-b). A kernel adds offset x sum(query) to each score: 3-bit keys need no add."""
+    return 0.5 if bits == 4 else 0.0
+
+
 @functools.lru_cache(maxsize=None)
 def int8_centroids(bits: int) -> tuple[tuple[int, ...], float]:
-    """(bytes b_r, S): unit-variance magnitudes m_r ~ (b_r + 1/2) / S, with S chosen (b_r <= 127) to make the
-    largest error over the 2^(b-1) magnitudes smallest: 0.0057 for 4 bits, 0.0014 for 3 (unit sigma; the
-    4-bit codebook's own RMS error is 0.097)."""
+    """(bytes b_r, S): unit-variance magnitudes m_r ~ (b_r + `int8_offset`) / S, with S chosen (b_r <= 127) to
+    make the largest error over the 2^(b-1) magnitudes smallest: 0.0057 for 4 bits, 0.0015 for 3 (unit sigma;
+    the 4-bit codebook's own RMS error is 0.097). A half-integer grid for 3 bits would give 0.0014."""
+    off = int8_offset(bits)
     m = np.array(_unit_lloyd_max(bits)[2 ** (bits - 1):])
-    scales = np.linspace(8.0, 127.5 / m[-1], 200_001)
-    x = scales[:, None] * m[None, :] - 0.5
+    scales = np.linspace(8.0, (127.0 + off) / m[-1], 200_001)
+    x = scales[:, None] * m[None, :] - off
     err = (np.abs(x - np.round(x)) / scales[:, None]).max(axis=1)
     s = float(scales[int(np.argmin(err))])
-    return tuple(int(v) for v in np.round(s * m - 0.5)), s
+    return tuple(int(v) for v in np.round(s * m - off)), s
 
 
 def int8_centroid_codebook(bits: int) -> torch.Tensor:
     """float64 [2^b]: the unit-variance value of each sign-magnitude code in the int8 score path (the
-    counterpart of `sign_magnitude_codebook(bits, 1)`): +-(b_r + 1/2) / S."""
+    counterpart of `sign_magnitude_codebook(bits, 1)`): +-(b_r + `int8_offset`) / S."""
     b, s = int8_centroids(bits)
     code = torch.arange(2**bits)
     half = 2 ** (bits - 1)
-    mags = (torch.tensor(b, dtype=torch.float64)[code % half] + 0.5) / s
+    mags = (torch.tensor(b, dtype=torch.float64)[code % half] + int8_offset(bits)) / s
     return torch.where(code >= half, -mags, mags)
 
 
@@ -631,7 +639,7 @@ def _int8_table(bits: int) -> tuple[int, int]:
     """The 8 signed table bytes as two PRMT words: codes 0-7 of the 3-bit table (4 magnitudes, then their
     negatives), or the 8 magnitudes of the 4-bit table (signs by XOR)."""
     b, _ = int8_centroids(bits)
-    table = list(b) if bits == 4 else list(b) + [~v & 0xFF for v in b]
+    table = list(b) if bits == 4 else list(b) + [-v & 0xFF for v in b]
     return (table[0] | table[1] << 8 | table[2] << 16 | table[3] << 24,
             table[4] | table[5] << 8 | table[6] << 16 | table[7] << 24)
 

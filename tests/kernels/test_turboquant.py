@@ -33,6 +33,7 @@ from kvpolicy.kernels.turboquant import (
     hadamard_rotation,
     int8_centroid_codebook,
     int8_centroids,
+    int8_offset,
     int8_operand_order,
     int8_table_word,
     k3_int8_program,
@@ -376,7 +377,8 @@ def test_reference_decodes_planar_and_slot_caches_alike() -> None:
 @pytest.mark.parametrize("bits", [4, 3])
 def test_int8_centroids_are_close_and_exactly_odd(bits: int) -> None:
     """Each magnitude within 0.006 (unit sigma) of the Lloyd-Max one, far below the codebook's own error, and
-    the table odd: a negative code's byte ~b stands for exactly minus the positive one."""
+    the table odd: a negative code's byte (~b for 4 bits, with the half of `int8_offset`; -b for 3 bits) stands
+    for exactly minus the positive one."""
     exact = sign_magnitude_codebook(bits, 1)
     approx = int8_centroid_codebook(bits)
     assert (approx - exact).abs().max() < 0.006
@@ -393,7 +395,7 @@ def _int8_lanes(word: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_value(byte: torch.Tensor, bits: int) -> torch.Tensor:
-    return (byte.double() + 0.5) / int8_centroids(bits)[1]
+    return (byte.double() + int8_offset(bits)) / int8_centroids(bits)[1]
 
 
 def test_k4_int8_program_gives_signed_centroid_bytes() -> None:

@@ -75,10 +75,14 @@
 #   keylane: GPU tests of the defaults (agrees, rotate_query), then the defaults of 4bit_nc and 3bit_nc on the
 #            gpt-oss layer (128k, batch 8 and 1) with the key blocks at each lane's place, and the same on the
 #            kernels before it (.ab/base_kernels/: 24c72bb's kernels/*.py, git-ignored: carry it).
+#   offsets: GPU tests (the 64-bit offsets past 8 GiB, agrees, rotating, needle), then the defaults of the three
+#            per-warp formats at 128k (gpt-oss batch 8 and 1, Llama batch 8) with int32 page offsets, the integer
+#            3-bit key table and qf in the exponent's FFMA, and the same on the kernels before them
+#            (.ab/base_kernels/: 15b8c77's kernels/*.py, git-ignored: carry it).
 #   unroll3: 3bit_nc on the gpt-oss layer, four pages per warp, one or two tiles per iteration (582 against 626
 #            instructions per tile with the pages in thread order), 4k and 128k, batch 8 and 1.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -362,6 +366,20 @@ elif [ "$2" = keylane ]; then
   logged_probe probe_keylane.log base --formats turboquant_4bit_nc,turboquant_3bit_nc $c
   cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"
   grep -E "^==| us \(" "$out/probe_keylane.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
+elif [ "$2" = offsets ]; then
+  timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -p no:cacheprovider \
+    -k "past_8 or agrees or rotating or needle" > "$out/pytest_offsets.log" 2>&1
+  tail -1 "$out/pytest_offsets.log"
+  c="--contexts 131072 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --unroll 1 --split-scale 1"
+  f=turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
+  for k in new base; do
+    if [ $k = base ]; then mkdir -p "$out/kernels_new"; cp kernels/*.py "$out/kernels_new/"; cp .ab/base_kernels/*.py kernels/; fi
+    logged_probe probe_offsets.log ${k}_gptoss --geometries gpt-oss-20b --batch 8,1 --block-n 256 --formats $f $c
+    logged_probe probe_offsets.log ${k}_llama --geometries llama-3.1-8b --batch 8 --block-n 128 --formats $f $c
+  done
+  cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"
+  grep -E "^==| us \(" "$out/probe_offsets.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
+  tar -C "$out" -czf "$out/probe_offsets_json.tgz" $(cd "$out" && ls probe_*.json) && rm "$out"/probe_*.json
 elif [ "$2" = unroll3 ]; then
   logged_probe probe_unroll3.log unroll3 --geometries gpt-oss-20b --formats turboquant_3bit_nc --block-n 256 --unroll 0,1 \
     --contexts 4096,131072 --batch 8,1 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --split-scale 1

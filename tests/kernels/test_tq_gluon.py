@@ -197,6 +197,40 @@ def test_per_warp_rotating_the_query_in_the_kernel_matches_reference(fmt: str, w
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
+@pytest.mark.parametrize("d, hq", [(64, 64), (128, 32)])
+def test_per_warp_reads_pages_past_8_gib(fmt: str, d: int, hq: int, device: str) -> None:
+    """A cache of 8 GiB or more takes 64-bit page offsets (`tq_warp._load_w`'s OFF32 off): the same pages moved
+    to the end of a 9 GiB cache, past word 2^31, decode as they did in a small one (the default config)."""
+    from test_tq_decode import _paged
+
+    from kvpolicy.kernels.tq_decode import decode_attention_tq
+    from kvpolicy.kernels.turboquant import planar_from_slots
+
+    seq = (300, 1025)
+    key = [torch.randn(n, 8, d) for n in seq]
+    value = [torch.randn(n, 8, d) for n in seq]
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    cache, tables = _paged(fmt, key, value, seq_lens, 16, device)
+    cache = planar_from_slots(cache, fmt, d).to(device)
+    page_bytes = cache[0].numel() * cache.element_size()
+    extra = (9 << 30) // page_bytes
+    big = torch.empty((extra + cache.shape[0], *cache.shape[1:]), dtype=cache.dtype, device=device)
+    assert big.nbytes // 4 >= 2**31
+    big[extra:] = cache
+    query = torch.randn(2, hq, d, device=device)
+    outs = []
+    for c, t in ((cache, tables), (big, torch.where(tables < cache.shape[0], tables + extra, tables))):
+        out = torch.full((2, hq, d), float("nan"), device=device)
+        decode_attention_tq(query, c, t.to(device), seq_lens.to(device), fmt, out=out)
+        outs.append(out)
+    del big
+    assert not outs[0].isnan().any()
+    assert _rel(outs[1].double(), outs[0].double()) <= 1e-6
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
 @pytest.mark.parametrize("window, sinks, splits", CASES)
 @pytest.mark.parametrize("unroll", [False, True])
 def test_per_warp_two_pages_under_a_register_cap_match_reference(fmt: str, window, sinks: bool, splits,

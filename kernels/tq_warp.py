@@ -766,10 +766,10 @@ def _tq_warp_kernel(
 FORMATS = WARP_ORDER_FORMATS
 """Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values, their planar pages in this
 kernel's order (`turboquant.warp_plane_order`)."""
-REGISTERS = {"turboquant_4bit_nc": {(64, 64): 96, (64, 128): 153, (64, 256): 231, (128, 64): 145, (128, 128): 199},
-             "turboquant_k3v4_nc": {(64, 64): 110, (64, 128): 154, (64, 256): 218, (128, 64): 147, (128, 128): 202},
-             "turboquant_3bit_nc": {(64, 64): 114, (64, 128): 148, (64, 256): 223, (128, 64): 147,
-                                    (128, 128): 198}}
+REGISTERS = {"turboquant_4bit_nc": {(64, 64): 96, (64, 128): 151, (64, 256): 230, (128, 64): 146, (128, 128): 199},
+             "turboquant_k3v4_nc": {(64, 64): 110, (64, 128): 149, (64, 256): 216, (128, 64): 147, (128, 128): 198},
+             "turboquant_3bit_nc": {(64, 64): 116, (64, 128): 150, (64, 256): 222, (128, 64): 149,
+                                    (128, 128): 202}}
 """Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
 two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on and, for the default tiles (256 at head_dim 64, 128 at
 128), `TQGluonConfig.unroll`, `mma_sums` and `rotate_query` where `tq_gluon.default_config` sets them; `bench/sass_mix.py

@@ -36,6 +36,7 @@
 #            immediates in both), and the same defaults on the kernel before both (.ab/tq_warp_base.py);
 #   pw:      the GPU tests of the per-warp kernel (all of `-k per_warp`, about 7.5 minutes).
 # session 22:
+#   pwx:     the same on 4 pytest-xdist workers (PW_K: another -k expression).
 #   rt:      the other GPU tests of the TurboQuant kernels and the runtime's (`-k "not per_warp"`), then the
 #            evidence run (set KVP_COMMIT and TAG);
 #   addr:    the probe of key and value rows as immediate offsets (3bit_nc with two and four pages on the
@@ -82,7 +83,7 @@
 #   unroll3: 3bit_nc on the gpt-oss layer, four pages per warp, one or two tiles per iteration (582 against 626
 #            instructions per tile with the pages in thread order), 4k and 128k, batch 8 and 1.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -209,6 +210,10 @@ elif [ "$2" = sum ]; then
 elif [ "$2" = pw ]; then
   timeout 560 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp" -p no:cacheprovider \
     > "$out/pytest_pw.log" 2>&1; tail -3 "$out/pytest_pw.log"
+elif [ "$2" = pwx ]; then
+  # the per-warp GPU tests on 4 workers (pytest-xdist from .whl/): the compiles run side by side
+  timeout 540 python3 -m pytest -q -n 4 tests/kernels/test_tq_gluon.py -k "${PW_K:-per_warp}" -p no:cacheprovider \
+    > "$out/pytest_pwx.log" 2>&1; tail -3 "$out/pytest_pwx.log"
 elif [ "$2" = rt ]; then
   timeout 420 python3 -m pytest -q tests/kernels/test_tq_gluon.py tests/kernels/test_tq_store.py tests/test_runtime_gpu.py \
     -k "not per_warp" -p no:cacheprovider > "$out/pytest_rt.log" 2>&1; tail -3 "$out/pytest_rt.log"

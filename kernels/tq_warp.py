@@ -33,6 +33,10 @@ moves only when a score passes it by `LAZY_MAX_MARGIN`) that is nearly every til
 branch, so the skip is a vote and a branch inside one asm block (`rescale_ptx`).
 Each program rotates its group's query in its prologue (`_rotated_query`, `TQGluonConfig.rotate_query`;
 seventeenth session) instead of a kernel of its own running before it: one launch less per decode step.
+Nineteenth session: where the cache is under 8 GiB the page offsets are int32 (`OFF32`), so each load's
+address is one IMAD.WIDE onto a per-thread pointer fixed for the loop; 3-bit keys have an integer int8 table
+(`turboquant.int8_offset`), so their scores need no `+ qc`; qf multiplies in the exponent's FFMA (3bit_nc at
+head_dim 64: 574 -> 504 instructions per tile, 152.3 -> 148.7 us on the gpt-oss layer at batch 8, 128k).
 
 Scope: turboquant_4bit_nc, turboquant_k3v4_nc and turboquant_3bit_nc (`FORMATS`), head_dim 64 or 128, GQA
 groups up to 8, 16-token planar pages, sm_90 (mma.sync runs on sm_80+, the callers route sm_90 only).

@@ -201,10 +201,9 @@ def test_per_warp_rotating_the_query_in_the_kernel_matches_reference(fmt: str, w
 def test_per_warp_reads_pages_past_8_gib(fmt: str, d: int, hq: int, device: str) -> None:
     """A cache of 8 GiB or more takes 64-bit page offsets (`tq_warp._load_w`'s OFF32 off): the same pages moved
     to the end of a 9 GiB cache, past word 2^31, decode as they did in a small one (the default config)."""
-    from test_tq_decode import _paged
-
     from kvpolicy.kernels.tq_decode import decode_attention_tq
     from kvpolicy.kernels.turboquant import planar_from_slots
+    from test_tq_decode import _paged
 
     seq = (300, 1025)
     key = [torch.randn(n, 8, d) for n in seq]

@@ -390,15 +390,17 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
             FW: gl.constexpr, XP: gl.constexpr, OFF32: gl.constexpr):
     """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (3-bit keys also the
     matching 1-bit words: word w mod D/32 of the row shifted right by w // (D/32), else 0), value words
-    [BN/2, 8, Q] of two tokens each (`_value_words`; 3-bit values also the shifted 1-bit words, else 0), the
+    [BN/2, 8, Q] of two tokens each (`_value_words`; 3-bit values also the 1-bit words as loaded, else 0), the
     fp16 fields [4, BN/4] in fp32 in the score columns' layout (MMA_SUMS: the words of two tokens [4, BN/8] as loaded, in `pair_layout`'s
     columns: carried through the loop as words, they need no repacking for the f16x2 instructions)."""
     # Each page's first 32-bit word [4, PPW]. OFF32 (caches under 8 GiB): in int32, so that each load's address is
     # one IMAD.WIDE from a per-thread pointer fixed for the whole loop, instead of a 64-bit add per page and lane.
+    # Hence the loads below add it last: (cache + the thread's offset in a page) + page word, the first sum
+    # loop-invariant.
     if OFF32:
         base = (pw * NUM_KV + kvh) * (4 * SLOT)
     else:
-        base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)  # each page's first 32-bit word, [4, PPW]
+        base = (pw.to(gl.int64) * NUM_KV + kvh) * (4 * SLOT)
     # Each plane holds every thread's words of a page as one block (`turboquant.warp_plane_order`): one vector
     # load per thread, page and plane, reshaped here to the words' old [token, word] order.
     # keys: thread (r, c)'s quarter c of rows r and r + 8, CW words each, at its lane's block (as the values')

@@ -47,6 +47,7 @@ from kvpolicy.kernels.turboquant import (
     code_planes,
     field_planes,
     int8_centroids,
+    int8_offset,
     int8_operand_order,
     int8_table_word,
     k3_int8_program,
@@ -577,7 +578,8 @@ def kernel_constexprs(fmt: str, head_dim: int, num_q_heads: int, num_kv_heads: i
                 BN=cfg.block_n, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, KBM=kbm, KB=lay.key_bytes, VBM=vbm,
                 VB=lay.val_bytes, NF=len(field_planes(fmt, head_dim)), K_LAYOUT=key_layout(cfg.block_n, kbm),
                 V_LAYOUT=key_layout(cfg.block_n, vbm), LAZY=cfg.lazy_max, PAGES_AHEAD=cfg.pages_ahead,
-                I8_SCALE=1.0 if lay.key_fp8 else int8_centroids(lay.key_bits)[1])
+                I8_SCALE=1.0 if lay.key_fp8 else int8_centroids(lay.key_bits)[1],
+                I8_OFFSET=0.0 if lay.key_fp8 else int8_offset(lay.key_bits))
 
 
 def decode_tq_gluon(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,

@@ -324,7 +324,7 @@ def _values_operand(vc, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.co
 def _values_operand3(v2, v1, BN: gl.constexpr, HEAD_DIM: gl.constexpr, V_SHAPE: gl.constexpr,
                      V_ORDER: gl.constexpr):
     """3-bit value words [BN/2, 8, D/64] (`_load_w`: token pair, thread g, byte pair; the 2-bit plane's and the
-    shifted 1-bit plane's) -> the fp16 A operand V_w^T [4, D, BN/4] of exact subnormals (4^s x code x 2^-24),
+    1-bit plane's as loaded) -> the fp16 A operand V_w^T [4, D, BN/4] of exact subnormals (4^s x code x 2^-24),
     row 16 t + 8 u + g = dim `dim_of_row(D, 3)`, column = the warp's token 16 pg + 8 r8 + 2 c + hh (`value_axes`)."""
     # thread g's parity e = g // 4 in the shifts of the program instead of a shift of each loaded word
     e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, v1.type.layout)))[None, :, None] // 4
@@ -515,8 +515,8 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
         if not MMA_SUMS:
             vscale = gl.where(ok, vscale, 0.0)
             vzero = gl.where(ok, vzero, 0.0)
-    if KEY_BITS == 4:
-        x = x + qc[None, :, None]  # the table's half (`turboquant.int8_offset`); 3-bit keys have none
+    if qc is not None:
+        x = x + qc[None, :, None]
     # y = score / qf, qf > 0 the head's: the scores' max is qf x y's, and qf joins the exponent's FFMA (one
     # multiply per score less than scaling each score)
     x = x * knorm[:, None, :]
@@ -623,7 +623,7 @@ def _tq_warp_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
-    VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr,
+    VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr, I8_OFFSET: gl.constexpr,
     BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
     MMA_SUMS: gl.constexpr, FW: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr,
@@ -668,9 +668,13 @@ def _tq_warp_kernel(
     b3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1, 1], [2, 1, 0])
     q3 = gl.expand_dims(gl.convert_layout(q16, gl.SliceLayout(0, b3)), 0) + gl.zeros([4, 16, HEAD_DIM], gl.int8, b3)
     q3 = gl.convert_layout(q3, QA)
-    # the score of head h: (Q_LO hi.b + lo.b + qc) qf knorm (`tq_gluon`; qc only for 4-bit keys)
+    # the score of head h: (Q_LO hi.b + lo.b + qc) qf knorm (`tq_gluon`), qc = the int8 table's offset x the
+    # query's sum (`turboquant.int8_offset`); None where the offset is 0 (3-bit keys): no add per score
     qf = gl.convert_layout(step * (1.0 / (Q_LO * I8_SCALE)), gl.SliceLayout(0, ROWL))
-    qc = gl.convert_layout(0.5 * gl.sum(hi * Q_LO + lo, 1), gl.SliceLayout(0, ROWL))
+    if I8_OFFSET != 0.0:
+        qc = gl.convert_layout(I8_OFFSET * gl.sum(hi * Q_LO + lo, 1), gl.SliceLayout(0, ROWL))
+    else:
+        qc = None
 
     m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
     # per-thread softmax sums (and of P x zero point)
@@ -813,7 +817,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     num_kv_heads = cache.shape[1]
     cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, TQGluonConfig(block_n=64))
     cx = {k: cx[k] for k in ("GROUP", "NUM_KV", "HEAD_DIM", "SLOT", "KEY_BITS", "V_BITS", "KBM", "KB", "VBM", "VB",
-                             "NF", "I8_SCALE")}
+                             "NF", "I8_SCALE", "I8_OFFSET")}
     part_out, part_lse = split_partials(out, splits)
     table = _kernel_table(fmt, head_dim, str(cache.device))
     rot = rotation_operand(fmt, head_dim, str(cache.device)) if cfg.rotate_query else table

@@ -600,8 +600,10 @@ def subnormal_byte_order(index):
 #
 # The Gluon kernel multiplies centroid keys as int8 against an int8 query (two bytes per coordinate, hi and
 # lo), so a look-up yields 4 codes per 32-bit register instead of 2 and the score MMA is an int8 wgmma.
-# Byte b stands for (b + 1/2) / S: then ~b = -b - 1 stands for exactly -(b + 1/2) / S, so the sign of a
-# sign-magnitude code is one XOR, and the 1/2 becomes one per-head constant (1/2 x the sum of the query).
+# For 4-bit keys byte b stands for (b + 1/2) / S: then ~b = -b - 1 stands for exactly -(b + 1/2) / S, so the
+# sign of a sign-magnitude code is one XOR, and the 1/2 becomes one per-head constant (1/2 x the sum of the
+# query). The 3-bit table is read whole by PRMT (sign included), so it holds -b and needs no offset
+# (`int8_offset`).
 
 
 def int8_offset(bits: int) -> float:

@@ -95,6 +95,10 @@ use_base() {  # the kernel before the change (.ab/tq_warp_base.py, git-ignored: 
   cp kernels/tq_warp.py "$out/tq_warp_new.py"; cp .ab/tq_warp_base.py kernels/tq_warp.py
 }
 use_new() { cp "$out/tq_warp_new.py" kernels/tq_warp.py; rm "$out/tq_warp_new.py"; }
+use_base_kernels() {  # all of kernels/*.py before the change (.ab/base_kernels/, git-ignored: carry it)
+  mkdir -p "$out/kernels_new"; cp kernels/*.py "$out/kernels_new/"; cp .ab/base_kernels/*.py kernels/
+}
+use_new_kernels() { cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"; }
 evidence_run() {  # TAG: the evidence run (every row, batch 8) and the Gluon rows at batch 1
   timeout 360 python3 bench/bench_decode.py --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
     --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
@@ -356,9 +360,9 @@ elif [ "$2" = warporder ]; then
   logged_probe probe_warporder.log alt_gptoss_3bit_nc --geometries gpt-oss-20b --formats turboquant_3bit_nc --block-n 128 --unroll 1 --maxnreg 128 $c
   logged_probe probe_warporder.log alt4_gptoss_3bit_nc --geometries gpt-oss-20b --formats turboquant_3bit_nc --block-n 256 --unroll 0 $c
   logged_probe probe_warporder.log alt4_gptoss_k3v4_nc --geometries gpt-oss-20b --formats turboquant_k3v4_nc --block-n 256 --unroll 1 $c
-  mkdir -p "$out/kernels_new"; cp kernels/*.py "$out/kernels_new/"; cp .ab/base_kernels/*.py kernels/
+  use_base_kernels
   defaults base
-  cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"
+  use_new_kernels
   grep -v "^==" "$out/probe_warporder.log" | grep -E " us \(" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
   tar -C "$out" -czf "$out/probe_warporder_json.tgz" $(cd "$out" && ls probe_*.json) && rm "$out"/probe_*.json
 elif [ "$2" = keylane ]; then
@@ -367,9 +371,9 @@ elif [ "$2" = keylane ]; then
   tail -1 "$out/pytest_keylane.log"
   c="--geometries gpt-oss-20b --contexts 131072 --batch 8,1 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --unroll 1 --block-n 256 --split-scale 1"
   logged_probe probe_keylane.log keylane --formats turboquant_4bit_nc,turboquant_3bit_nc $c
-  mkdir -p "$out/kernels_new"; cp kernels/*.py "$out/kernels_new/"; cp .ab/base_kernels/*.py kernels/
+  use_base_kernels
   logged_probe probe_keylane.log base --formats turboquant_4bit_nc,turboquant_3bit_nc $c
-  cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"
+  use_new_kernels
   grep -E "^==| us \(" "$out/probe_keylane.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
 elif [ "$2" = offsets ]; then
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -p no:cacheprovider \
@@ -378,11 +382,11 @@ elif [ "$2" = offsets ]; then
   c="--contexts 131072 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --unroll 1 --split-scale 1"
   f=turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
   for k in new base; do
-    if [ $k = base ]; then mkdir -p "$out/kernels_new"; cp kernels/*.py "$out/kernels_new/"; cp .ab/base_kernels/*.py kernels/; fi
+    if [ $k = base ]; then use_base_kernels; fi
     logged_probe probe_offsets.log ${k}_gptoss --geometries gpt-oss-20b --batch 8,1 --block-n 256 --formats $f $c
     logged_probe probe_offsets.log ${k}_llama --geometries llama-3.1-8b --batch 8 --block-n 128 --formats $f $c
   done
-  cp "$out/kernels_new"/*.py kernels/; rm -r "$out/kernels_new"
+  use_new_kernels
   grep -E "^==| us \(" "$out/probe_offsets.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
   tar -C "$out" -czf "$out/probe_offsets_json.tgz" $(cd "$out" && ls probe_*.json) && rm "$out"/probe_*.json
 elif [ "$2" = unroll3 ]; then

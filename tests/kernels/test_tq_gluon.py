@@ -211,8 +211,7 @@ def test_per_warp_reads_pages_past_8_gib(fmt: str, d: int, hq: int, device: str)
     seq_lens = torch.tensor(seq, dtype=torch.int32)
     cache, tables = _paged(fmt, key, value, seq_lens, 16, device)
     cache = planar_from_slots(cache, fmt, d).to(device)
-    page_bytes = cache[0].numel() * cache.element_size()
-    extra = (9 << 30) // page_bytes
+    extra = (9 << 30) // cache[0].nbytes  # pages before the case's
     big = torch.empty((extra + cache.shape[0], *cache.shape[1:]), dtype=cache.dtype, device=device)
     assert big.nbytes // 4 >= 2**31
     big[extra:] = cache

@@ -4,12 +4,14 @@ caches; each config's output is checked against the Triton kernel's. GPU only (s
 
 Usage: python bench/probe_tq_gluon.py [--formats turboquant_4bit_nc,turboquant_k8v4] [--contexts 32768,131072]
        [--batch 1,8] [--block-n 64,128] [--maxnreg 0,128] [--split-scale 1,2] [--lazy 1,0]
-       [--per-warp 0,1] [--pages-ahead 1,2] [--sum-pages 0,1] [--pages random,sequential] [--out JSON]
+       [--per-warp 0,1] [--pages-ahead 1,2] [--sum-pages 0,1] [--pdl 0,1,2] [--pages random,sequential]
+       [--out JSON]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import sys
 
@@ -17,7 +19,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import FORMATS, GEOMETRIES, build_case, kv_bytes, rel_err, sdpa_call, time_calls, write_probe
+from bench_decode import FORMATS, GEOMETRIES, ROTATE_BYTES, build_case, kv_bytes, rel_err, sdpa_call, time_calls, write_probe
 from kvpolicy.kernels import tq_gluon as tg
 from kvpolicy.kernels import tq_warp
 from kvpolicy.kernels.decode_attention import split_count
@@ -41,6 +43,7 @@ def main() -> None:
     p.add_argument("--unroll", default="0", help="TQGluonConfig.unroll (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--mma-sums", default="0", help="TQGluonConfig.mma_sums (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--rotate", default="0", help="TQGluonConfig.rotate_query (per-warp kernel) to try: 0, 1 or 0,1")
+    p.add_argument("--pdl", default="0", help="TQGluonConfig.pdl (per-warp kernel) to try: 0, 1, 2 or a list")
     p.add_argument("--pages", default="random", help="block tables: random, sequential or both (bench_decode.build_case)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -53,14 +56,16 @@ def main() -> None:
         for batch in map(int, args.batch.split(",")):
             for ctx in map(int, args.contexts.split(",")):
                 torch.manual_seed(0)
-                case = build_case(geom, batch, ctx, rows, sdpa=True, copies=2, device=dev, pages=pages)
+                # enough copies that a timing's rotation misses L2 (60 MB on an H200) at short contexts too
+                copies = max(2, min(64, math.ceil(ROTATE_BYTES / (batch * ctx * geom.num_kv_heads * geom.head_dim * 4))))
+                case = build_case(geom, batch, ctx, rows, sdpa=True, copies=copies, device=dev, pages=pages)
                 tables, q, sl = case["tables"], case["query"], case["seq_lens"]
                 base = {"sdpa_cudnn": time_calls([sdpa_call(case, geom, c, SDPBackend.CUDNN_ATTENTION, "folded")
-                                                  for c in range(2)])}
+                                                  for c in range(copies)])}
                 for fmt in fmts:
                     cache = case["caches"][fmt]
                     calls = [lambda c=c, f=fmt, cache=cache: FORMATS[f]["decode"](cache, q, tables[c], sl, case["sinks"])
-                             for c in range(2)]
+                             for c in range(copies)]
                     base[fmt] = time_calls(calls)
                 print(f"{gname} {pages} pages b{batch} {ctx}: " + ", ".join(f"{k} {v:.1f}us" for k, v in base.items()), flush=True)
                 for fmt in fmts:
@@ -68,18 +73,19 @@ def main() -> None:
                     want = FORMATS[fmt]["decode"](case["caches"][fmt], q, tables[0], sl, case["sinks"]).float()
                     # the Gluon kernel reads the planar layout of the same bytes
                     cache = planar_from_slots(case["caches"][fmt], fmt, geom.head_dim)
-                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll, mma_sums, rotate in itertools.product(
+                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll, mma_sums, rotate, pdl in itertools.product(
                             map(int, args.maxnreg.split(",")), map(int, args.block_n.split(",")),
                             map(int, args.lazy.split(",")), map(int, args.per_warp.split(",")),
                             map(int, args.pages_ahead.split(",")), map(int, args.sum_pages.split(",")),
                             map(int, args.unroll.split(",")), map(int, args.mma_sums.split(",")),
-                            map(int, args.rotate.split(","))):
-                        if (per_warp and fmt not in tq_warp.FORMATS) or ((sum_pages or unroll or mma_sums or rotate)
+                            map(int, args.rotate.split(",")), map(int, args.pdl.split(","))):
+                        if (per_warp and fmt not in tq_warp.FORMATS) or ((sum_pages or unroll or mma_sums or rotate or pdl)
                                                                           and not per_warp):
                             continue
                         cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None, lazy_max=bool(lazy),
                                                per_warp=bool(per_warp), pages_ahead=ahead, sum_pages=bool(sum_pages),
-                                               unroll=bool(unroll), mma_sums=bool(mma_sums), rotate_query=bool(rotate))
+                                               unroll=bool(unroll), mma_sums=bool(mma_sums), rotate_query=bool(rotate),
+                                               pdl=pdl)
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev,
                                               waves=())
@@ -91,19 +97,19 @@ def main() -> None:
                                                                   num_splits=splits, kernel="gluon").float(), want)
                                 us = time_calls([lambda c=c: decode_attention_tq(q, cache, tables[c], sl, fmt, sinks=case["sinks"],
                                                                                  num_splits=splits, kernel="gluon")
-                                                 for c in range(2)])
+                                                 for c in range(copies)])
                             except Exception as exc:  # noqa: BLE001 - a config that fails is reported, not fatal
                                 print(f"  {fmt} {cfg} splits={splits}: {type(exc).__name__} {str(exc)[:300]}")
                                 continue
                             results.append({"geometry": gname, "pages": pages, "batch": batch, "context": ctx, "format": fmt,
                                             "maxnreg": maxnreg, "block_n": block_n, "lazy_max": bool(lazy),
                                             "per_warp": bool(per_warp), "pages_ahead": ahead, "sum_pages": bool(sum_pages),
-                                            "unroll": bool(unroll), "mma_sums": bool(mma_sums), "rotate_query": bool(rotate),
+                                            "unroll": bool(unroll), "mma_sums": bool(mma_sums), "rotate_query": bool(rotate), "pdl": pdl,
                                             "resident": res,
                                             "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
                                             "baselines": base})
                             print(f"  {fmt}_gl block_n={block_n} lazy={lazy} per_warp={per_warp} ahead={ahead} sum={sum_pages} unroll={unroll} "
-                                  f"mma_sums={mma_sums} rotate={rotate} maxnreg={maxnreg} "
+                                  f"mma_sums={mma_sums} rotate={rotate} pdl={pdl} maxnreg={maxnreg} "
                                   f"resident={res} "
                                   f"splits={splits}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s; vs Triton "
                                   f"{base[fmt] / us:.2f}x; err vs Triton {err:.1e})", flush=True)

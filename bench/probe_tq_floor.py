@@ -1,0 +1,101 @@
+"""Where a batch-1 TurboQuant decode step's time goes: the whole call (the per-warp kernel and the split
+merge, `tq_gluon.default_config`), the kernel alone (the merge skipped), the kernel followed by an empty
+launch on the merge's grid (the second launch's own cost), the merge alone (on partials of the kernel's
+shape) and an empty kernel on the kernel's grid (one launch in a CUDA graph). Each timed like bench_decode
+(median CUDA-graph replay, rotating over enough cache copies to miss L2). GPU only (sm_90).
+
+Usage: python bench/probe_tq_floor.py [--geometries gpt-oss-20b] [--formats turboquant_4bit_nc]
+       [--contexts 4096,131072] [--batch 1] [--out JSON]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import (
+    FORMATS,
+    GEOMETRIES,
+    build_case,
+    kv_bytes,
+    time_calls,
+    write_probe,
+)
+from kvpolicy.kernels import decode_attention as da
+from kvpolicy.kernels import tq_gluon as tg
+from kvpolicy.kernels.tq_decode import decode_attention_tq
+
+ROTATE = 256 * 2**20
+"""Bytes of TurboQuant cache each timing rotates over (the H200's L2 is 60 MB)."""
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    if tl.program_id(0) < 0:  # never: a launch that does nothing but cannot be compiled away
+        tl.store(x_ptr, 0)
+
+
+def measure(gname: str, batch: int, ctx: int, fmt: str, dev: torch.device) -> dict:
+    """One case's timings (us), as described at the top."""
+    geom, row = GEOMETRIES[gname], FORMATS[f"{fmt}_gl"]
+    nbytes = kv_bytes(row, geom, batch, ctx)
+    copies = max(2, min(64, math.ceil(ROTATE / nbytes)))
+    torch.manual_seed(0)
+    case = build_case(geom, batch, ctx, {fmt: row}, sdpa=False, copies=copies, device=dev)
+    cache, tables, q, sl, sinks = case["caches"][fmt], case["tables"], case["query"], case["seq_lens"], case["sinks"]
+    cfg = tg.default_config(fmt, geom.head_dim)
+    splits = da.split_count(batch, geom.num_kv_heads, tables.shape[2] * tg.PAGE, cfg.block_n,
+                            tg.programs_per_sm(fmt, geom.head_dim, dev, cfg), dev, waves=())
+    out = torch.empty_like(q)
+    calls = [lambda c=c: decode_attention_tq(q, cache, tables[c], sl, fmt, sinks=sinks, out=out, kernel="gluon")
+             for c in range(copies)]
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    merge = da.launch_merge
+    t = {"call": time_calls(calls)}
+    try:  # tq_warp imports launch_merge at call time
+        da.launch_merge = lambda *a, **k: None
+        t["kernel"] = time_calls(calls)
+        da.launch_merge = lambda *a, **k: _empty_kernel[(geom.num_q_heads, batch)](flag, num_warps=4)
+        t["kernel+empty"] = time_calls(calls)
+    finally:
+        da.launch_merge = merge
+    part_out, part_lse = da.split_partials(out, splits)
+    if splits > 1:
+        part_out.normal_()
+        part_lse.normal_()
+        t["merge"] = time_calls([lambda: merge(part_out, part_lse, sinks, out, splits, pdl=False)])
+    t["empty"] = time_calls([lambda: _empty_kernel[(geom.num_kv_heads, splits, batch)](flag, num_warps=4)])
+    return {"geometry": gname, "batch": batch, "context": ctx, "format": fmt, "splits": splits, "copies": copies,
+            "bytes": nbytes, "us": t}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--geometries", default="gpt-oss-20b")
+    p.add_argument("--formats", default="turboquant_4bit_nc,turboquant_3bit_nc")
+    p.add_argument("--contexts", default="4096,16384,65536,131072")
+    p.add_argument("--batch", default="1")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    results = []
+    for gname, batch, ctx, fmt in itertools.product(args.geometries.split(","), map(int, args.batch.split(",")),
+                                                    map(int, args.contexts.split(",")), args.formats.split(",")):
+        r = measure(gname, batch, ctx, fmt, dev)
+        results.append(r)
+        print(f"{gname} b{batch} {ctx} {fmt} splits={r['splits']} copies={r['copies']}: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["us"].items())
+              + f" us ({r['bytes'] / r['us']['call'] / 1e6:.2f} TB/s)", flush=True)
+        torch.cuda.empty_cache()
+    write_probe(args.out, "probe_tq_floor.json", results)
+
+
+if __name__ == "__main__":
+    main()

@@ -86,13 +86,12 @@
 #            4k-128k, Llama 3bit_nc at 4k and 128k), then the two-page form (128-token tiles) of k3v4_nc and
 #            3bit_nc on the gpt-oss layer, uncapped or capped at 128, one or two tiles per iteration, with the
 #            default split count and 1.5x it (3 programs per SM: 48 splits at batch 1), beside the defaults.
-#   pdl:     GPU tests of TQGluonConfig.pdl (chained calls, eager and in a CUDA graph), then each per-warp format's
-#            default with pdl 0, 1 (the merge a dependent launch) and 2 (the kernel too) on both layers, 4k and
-#            128k, batch 1 and 8.
+#   (a `pdl` mode tested and probed TQGluonConfig.pdl, programmatic dependent launch of the per-warp kernel and
+#            its merge, on 347a7ce: bench/results_tq_floor/probe_pdl.log; no gain, reverted, the option is gone).
 #   unroll3: 3bit_nc on the gpt-oss layer, four pages per warp, one or two tiles per iteration (582 against 626
 #            instructions per tile with the pages in thread order), 4k and 128k, batch 8 and 1.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor|pdl}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -408,15 +407,6 @@ elif [ "$2" = floor ]; then
   PROBE_LIMIT=300 logged_probe probe_twopage.log twopage --formats $f --block-n 128 --maxnreg 0,128 --unroll 0,1 $c
   logged_probe probe_twopage.log fourpage --formats $f --block-n 256 --unroll 1 $c
   grep -E "^==| us \(" "$out/probe_twopage.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
-elif [ "$2" = pdl ]; then
-  timeout 150 python3 -m pytest -q tests/kernels/test_tq_gluon.py -p no:cacheprovider -k "chained or agrees" \
-    > "$out/pytest_pdl.log" 2>&1
-  tail -1 "$out/pytest_pdl.log"
-  c="--contexts 4096,131072 --batch 1,8 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --unroll 1 --split-scale 1 --pdl 0,1,2"
-  f=turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
-  PROBE_LIMIT=240 logged_probe probe_pdl.log gptoss --geometries gpt-oss-20b --block-n 256 --formats $f $c
-  PROBE_LIMIT=200 logged_probe probe_pdl.log llama --geometries llama-3.1-8b --block-n 128 --formats $f $c
-  grep -E "^==|: .*us, | us \(" "$out/probe_pdl.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 unroll=1 mma_sums=1 rotate=1 //; s/; vs Triton.*//'
 elif [ "$2" = unroll3 ]; then
   logged_probe probe_unroll3.log unroll3 --geometries gpt-oss-20b --formats turboquant_3bit_nc --block-n 256 --unroll 0,1 \
     --contexts 4096,131072 --batch 8,1 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --split-scale 1

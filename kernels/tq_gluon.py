@@ -423,11 +423,6 @@ class TQGluonConfig:
     """Per-warp kernel: rotate the query in the prologue (`tq_warp._rotated_query`, one mma.sync product per
     program) instead of in a kernel of its own before it (`tq_decode._tq_rotate_query_kernel`): one launch less
     per decode step."""
-    pdl: int = 0
-    """Per-warp kernel, programmatic dependent launch (Hopper): 1, the kernel lets the split merge be scheduled
-    once its programs leave the KV loop (the merge waits, `griddepcontrol.wait`, for its writes); 2, the kernel
-    itself is also scheduled while the kernel before it on the stream drains, and waits for that kernel's
-    writes before it reads anything; 0, neither (`decode_attention.use_pdl` is the BF16/FP8 kernels' switch)."""
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:

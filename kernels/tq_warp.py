@@ -592,13 +592,6 @@ def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
 
 
 @gluon.jit
-def _griddep(instr: gl.constexpr):
-    """`griddepcontrol.wait` or `.launch_dependents` (PTX; `TQGluonConfig.pdl`), as triton's `gdc_wait`."""
-    gl.inline_asm_elementwise("griddepcontrol." + instr + "; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
 def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROUP: gl.constexpr,
                    HEAD_DIM: gl.constexpr, q_layout: gl.constexpr):
     """(q x q_scale in fp16) @ Pi^T sqrt(D) / D in the score MMA's K order, for the GQA group's heads
@@ -635,14 +628,11 @@ def _tq_warp_kernel(
     V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
     MMA_SUMS: gl.constexpr, FW: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr,
     UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, ROTATE: gl.constexpr, OFF32: gl.constexpr, PDL: gl.constexpr,
+    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, ROTATE: gl.constexpr, OFF32: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
     seq = gl.program_id(2)
-    if PDL:
-        _griddep("wait")  # the writes of the kernel before (query, cache, tables) are visible after this (a
-        # no-op unless this kernel was launched as a dependent)
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
     ROWL: gl.constexpr = gl.SliceLayout(2, XL)
     PPW: gl.constexpr = BN // 64  # `pages_per_warp`
@@ -741,8 +731,6 @@ def _tq_warp_kernel(
                                              BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
             kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
 
-    if PDL:
-        _griddep("launch_dependents")  # the merge may be scheduled now; it waits for this grid's writes
     # merge the 4 warps: each its own max, sums and O^T
     m_f = gl.max(m_i, 0)  # [8]
     m_use = gl.where(m_f == float("-inf"), 0.0, m_f)
@@ -840,8 +828,8 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, ROTATE=cfg.rotate_query,
-        OFF32=cache.nbytes // 4 < 2**31, PDL=cfg.pdl > 0, num_warps=4,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **({"launch_pdl": True} if cfg.pdl == 2 else {}))
+        OFF32=cache.nbytes // 4 < 2**31, num_warps=4,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1:
-        launch_merge(part_out, part_lse, sinks, out, splits, pdl=cfg.pdl > 0)
+        launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)
     return out

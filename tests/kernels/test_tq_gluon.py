@@ -197,62 +197,6 @@ def test_per_warp_rotating_the_query_in_the_kernel_matches_reference(fmt: str, w
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
-@pytest.mark.parametrize("d, hq, splits", [(64, 64, 32), (128, 32, 4), (64, 64, 1)])
-def test_per_warp_chained_calls_see_each_others_writes_under_pdl(fmt: str, d: int, hq: int, splits: int, device: str,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """`TQGluonConfig.pdl`: each call's query is the previous call's output (written by its merge, or by the
-    kernel itself without splits), eagerly and in a CUDA graph. A kernel or merge scheduled before its
-    predecessor finished would read a NaN-filled buffer or a stale one; every mode must be bit-identical to
-    launching without PDL."""
-    from kvpolicy.kernels import tq_gluon
-    from kvpolicy.kernels.tq_decode import decode_attention_tq
-    from kvpolicy.kernels.turboquant import planar_from_slots
-    from test_tq_decode import _paged
-
-    seq = (3000, 777)
-    key = [torch.randn(n, 8, d) for n in seq]
-    value = [torch.randn(n, 8, d) for n in seq]
-    seq_lens = torch.tensor(seq, dtype=torch.int32)
-    cache, tables = _paged(fmt, key, value, seq_lens, 16, device)
-    cache = planar_from_slots(cache, fmt, d).to(device)
-    seq_lens = seq_lens.to(device)
-    query = torch.randn(2, hq, d, device=device)
-    default = tq_gluon.default_config(fmt, d)
-
-    def chain(outs: list[torch.Tensor]) -> torch.Tensor:
-        q = query
-        for out in outs:
-            q = decode_attention_tq(q, cache, tables, seq_lens, fmt, out=out, num_splits=splits, kernel="gluon")
-        return q
-
-    def fresh() -> list[torch.Tensor]:
-        return [torch.full_like(query, float("nan")) for _ in range(6)]
-
-    results = {}
-    for pdl in (0, 1, 2):
-        monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim, pdl=pdl: dataclasses.replace(default, pdl=pdl))
-        eager = chain(fresh())
-        outs = fresh()
-        chain(outs)  # compile and warm up outside the capture
-        for o in outs:
-            o.fill_(float("nan"))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            last = chain(outs)
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not eager.isnan().any() and not last.isnan().any()
-        results[pdl] = (eager, last.clone())
-    for pdl in (1, 2):
-        assert torch.equal(results[pdl][0], results[0][0]), f"pdl={pdl}, eager"
-        assert torch.equal(results[pdl][1], results[0][0]), f"pdl={pdl}, CUDA graph"
-
-
-@pytest.mark.gpu
-@hopper_only
-@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
 @pytest.mark.parametrize("d, hq", [(64, 64), (128, 32)])
 def test_per_warp_reads_pages_past_8_gib(fmt: str, d: int, hq: int, device: str) -> None:
     """A cache of 8 GiB or more takes 64-bit page offsets (`tq_warp._load_w`'s OFF32 off): the same pages moved

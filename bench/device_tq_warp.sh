@@ -88,10 +88,12 @@
 #            default split count and 1.5x it (3 programs per SM: 48 splits at batch 1), beside the defaults.
 #   (a `pdl` mode tested and probed TQGluonConfig.pdl, programmatic dependent launch of the per-warp kernel and
 #            its merge, on 347a7ce: bench/results_tq_floor/probe_pdl.log; no gain, reverted, the option is gone).
+#   k8v4:    k8v4 (the warpgroup kernel) on the gpt-oss layer at 128k, batch 1 and 8: 64- or 128-token tiles,
+#            uncapped or capped at 128 registers, 0.5-2x the default split count.
 #   unroll3: 3bit_nc on the gpt-oss layer, four pages per warp, one or two tiles per iteration (582 against 626
 #            instructions per tile with the pages in thread order), 4k and 128k, batch 8 and 1.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor|k8v4}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -407,6 +409,10 @@ elif [ "$2" = floor ]; then
   PROBE_LIMIT=300 logged_probe probe_twopage.log twopage --formats $f --block-n 128 --maxnreg 0,128 --unroll 0,1 $c
   logged_probe probe_twopage.log fourpage --formats $f --block-n 256 --unroll 1 $c
   grep -E "^==| us \(" "$out/probe_twopage.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
+elif [ "$2" = k8v4 ]; then
+  PROBE_LIMIT=300 logged_probe probe_k8v4.log k8v4 --geometries gpt-oss-20b --formats turboquant_k8v4 --contexts 131072 \
+    --batch 1,8 --block-n 64,128 --maxnreg 0,128 --split-scale 0.5,1,2
+  grep -E "^==|: .*us, | us \(" "$out/probe_k8v4.log" | sed 's/ per_warp=0 ahead=2 sum=0 unroll=0 mma_sums=0 rotate=0//; s/; vs Triton.*//'
 elif [ "$2" = unroll3 ]; then
   logged_probe probe_unroll3.log unroll3 --geometries gpt-oss-20b --formats turboquant_3bit_nc --block-n 256 --unroll 0,1 \
     --contexts 4096,131072 --batch 8,1 --per-warp 1 --sum-pages 1 --rotate 1 --mma-sums 1 --split-scale 1

@@ -51,8 +51,7 @@ def measure(gname: str, batch: int, ctx: int, fmt: str, dev: torch.device) -> di
     case = build_case(geom, batch, ctx, {fmt: row}, sdpa=False, copies=copies, device=dev)
     cache, tables, q, sl, sinks = case["caches"][fmt], case["tables"], case["query"], case["seq_lens"], case["sinks"]
     cfg = tg.default_config(fmt, geom.head_dim)
-    splits = da.split_count(batch, geom.num_kv_heads, tables.shape[2] * tg.PAGE, cfg.block_n,
-                            tg.programs_per_sm(fmt, geom.head_dim, dev, cfg), dev, waves=())
+    splits = tg.default_splits(fmt, batch, geom.num_kv_heads, tables.shape[2] * tg.PAGE, geom.head_dim, dev, cfg)
     out = torch.empty_like(q)
     calls = [lambda c=c: decode_attention_tq(q, cache, tables[c], sl, fmt, sinks=sinks, out=out, kernel="gluon")
              for c in range(copies)]

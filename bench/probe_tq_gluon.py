@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import FORMATS, GEOMETRIES, ROTATE_BYTES, build_case, kv_bytes, rel_err, sdpa_call, time_calls, write_probe
 from kvpolicy.kernels import tq_gluon as tg
 from kvpolicy.kernels import tq_warp
-from kvpolicy.kernels.decode_attention import split_count
 from kvpolicy.kernels.tq_decode import decode_attention_tq
 from kvpolicy.kernels.turboquant import planar_from_slots
 
@@ -86,8 +85,8 @@ def main() -> None:
                                                per_warp=bool(per_warp), pages_ahead=ahead, sum_pages=bool(sum_pages),
                                                unroll=bool(unroll), mma_sums=bool(mma_sums), rotate_query=bool(rotate))
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
-                        default = split_count(batch, geom.num_kv_heads, tables.shape[2] * 16, block_n, res, dev,
-                                              waves=())
+                        default = tg.default_splits(fmt, batch, geom.num_kv_heads, tables.shape[2] * tg.PAGE,
+                                                    geom.head_dim, dev, cfg)
                         tg.default_config = lambda fmt, head_dim, cfg=cfg: cfg  # noqa: E731 - the router reads it
                         for scale in map(float, args.split_scale.split(",")):
                             splits = max(1, int(default * scale))

@@ -148,7 +148,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, config: D
 
 
 def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, programs_per_sm: float, device: torch.device,
-                min_tokens_per_split: int = 0, waves: tuple[int, ...] = (4, 2), wave_tiles: int = 64) -> int:
+                min_tokens_per_split: int = 0, waves: tuple[int, ...] = (4, 2), wave_tiles: int = 64,
+                pow2_fill: float = 0.0) -> int:
     """Splits per sequence for programs of `tile` tokens of which `programs_per_sm` are resident per SM at once,
     from the block table's capacity (no host sync, graph-safe).
 
@@ -171,7 +172,11 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
     none: one wave measured fastest for it (bench/probe_gluon.py, NOTES.md v8; gpt-oss layer, batch 8,
     128k: 4 splits 259.5-261.3 us, 8 splits 305.5 us). `wave_tiles`: the tiles each split keeps when
     it takes more waves (the TurboQuant per-warp kernel measured 128 at 64-token tiles; its defaults now
-    take one wave).
+    take one wave). `pow2_fill`: the one wave's count stays a power of two only if that fills at least
+    this share of the wave; otherwise it is the largest count that fits (nor is the tile cap rounded).
+    The TurboQuant kernels pass 0.85 (`tq_gluon.default_splits`): at 5 programs per SM (k8v4, head_dim
+    64) 8 splits at batch 8 fill 512 of 660 slots, 10 fill 640: 235.3 against 248.1 us on the gpt-oss
+    layer at 128k.
     """
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 1
     pairs = batch * num_kv_heads
@@ -179,7 +184,9 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
     if pairs >= resident:
         return 1  # the sequences alone fill a wave
     tiles = max(1, -(-max_context // tile))
-    splits = _pow2_floor(resident // pairs)
+    exact = _pow2_floor(resident // pairs) * pairs < pow2_fill * resident
+    round_down = (lambda x: max(1, x)) if exact else _pow2_floor
+    splits = round_down(resident // pairs)
     for w in waves:
         more = _pow2_floor(w * resident // pairs)
         programs = more * pairs
@@ -191,7 +198,7 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
     cap = max(1, tiles // per_split)
     if min_tokens_per_split:
         cap = min(cap, max(1, max_context // min_tokens_per_split))
-    return max(1, min(splits, _pow2_floor(cap), 128))
+    return max(1, min(splits, round_down(cap), 128))
 
 
 @triton.jit

@@ -577,9 +577,7 @@ def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, scale, sliding_w
     cfg = tq_gluon.default_config(fmt, d)
     if num_splits is None:
         span = _span(block_tables, tq_gluon.PAGE, sliding_window, cfg.block_n)
-        num_splits = split_count(bsz, hkv, span, cfg.block_n,
-                                 tq_gluon.programs_per_sm(fmt, d, query.device, cfg), query.device,
-                                 waves=())
+        num_splits = tq_gluon.default_splits(fmt, bsz, hkv, span, d, query.device, cfg)
     if tq_layout(fmt, d).key_fp8 or (cfg.per_warp and cfg.rotate_query):
         q16, q_scale = query, scale * LOG2E  # FP8 keys are not rotated; with rotate_query the kernel rotates
     else:

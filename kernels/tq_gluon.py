@@ -522,6 +522,21 @@ def programs_per_sm(fmt: str, head_dim: int, device: torch.device, cfg: TQGluonC
     return resident_programs(regs, smem_bytes(head_dim, cfg), 4, device)
 
 
+def default_splits(fmt: str, batch: int, num_kv_heads: int, span: int, head_dim: int, device: torch.device,
+                   cfg: TQGluonConfig) -> int:
+    """Splits per sequence for `cfg` over a span of `span` tokens (`decode_attention.split_count`, one wave): a
+    power of two unless that leaves more than 15% of the wave's slots empty. At 2 programs per SM (the
+    per-warp defaults, k8v4 at head_dim 128) 32 splits fill 256 of 264 slots at batch 1; 33 would fill all,
+    and took 33.1 us against 31.6 (4bit_nc, gpt-oss layer, 128k; twenty-fifth session). At 5 per SM (k8v4 at
+    head_dim 64) a power of two fills 78%: 10 splits at batch 8 and 80-81 at batch 1, against 8 and 64, took
+    235.3 against 248.1 us and 38.6-38.7 against 39.7 us on the gpt-oss layer at 128k
+    (`bench/results_tq_k8v4/probe_k8v4_fill.log`)."""
+    from kvpolicy.kernels.decode_attention import split_count
+
+    return split_count(batch, num_kv_heads, span, cfg.block_n, programs_per_sm(fmt, head_dim, device, cfg), device,
+                       waves=(), pow2_fill=0.85)
+
+
 def refusal(fmt: str, head_dim: int, group: int, page: int = PAGE) -> str:
     """Why this kernel does not take layers of this shape ("" when it does): the rules for a layer plan
     (`LayerPlan.kernel_path`) and for a call (`supported`)."""

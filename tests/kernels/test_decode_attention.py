@@ -341,6 +341,16 @@ def test_split_count_fills_whole_waves(monkeypatch: pytest.MonkeyPatch) -> None:
     per_warp = [da.split_count(8, 8, n, 64, 4.0, gpu, waves=(2,), wave_tiles=128) for n in (65536, 131072)]
     assert per_warp == [8, 16]
     assert [da.split_count(8, 8, n, 64, 4.0, gpu, waves=(2,)) for n in (65536, 131072)] == [16, 16]
+    # the TurboQuant kernels' pow2_fill 0.85: at 5 programs per SM (k8v4, head_dim 64) a power of two would fill
+    # 512 of 660 slots, so the wave takes the largest count that fits (10 at batch 8, 82 at batch 1); at 2 per
+    # SM, 256 of 264 is full enough and stays (4 and 32); short contexts keep the tile floor (batch 1, 4k: 32
+    # two-tile splits); without pow2_fill nothing changes
+    def tq(batch: int, context: int, tile: int, per_sm: float) -> int:
+        return da.split_count(batch, 8, context, tile, per_sm, gpu, waves=(), pow2_fill=0.85)
+
+    assert [tq(8, 131072, 64, 5.0), tq(1, 131072, 64, 5.0), tq(1, 4096, 64, 5.0)] == [10, 82, 32]
+    assert [tq(8, 131072, 256, 2.0), tq(1, 131072, 256, 2.0)] == [4, 32]
+    assert [da.split_count(b, 8, 131072, 64, 5.0, gpu, waves=()) for b in (8, 1)] == [8, 64]
 
 
 def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import sys
 
@@ -25,15 +24,13 @@ from bench_decode import (
     GEOMETRIES,
     build_case,
     kv_bytes,
+    rotation_copies,
     time_calls,
     write_probe,
 )
 from kvpolicy.kernels import decode_attention as da
 from kvpolicy.kernels import tq_gluon as tg
 from kvpolicy.kernels.tq_decode import decode_attention_tq
-
-ROTATE = 256 * 2**20
-"""Bytes of TurboQuant cache each timing rotates over (the H200's L2 is 60 MB)."""
 
 
 @triton.jit
@@ -46,7 +43,7 @@ def measure(gname: str, batch: int, ctx: int, fmt: str, dev: torch.device) -> di
     """One case's timings (us), as described at the top."""
     geom, row = GEOMETRIES[gname], FORMATS[f"{fmt}_gl"]
     nbytes = kv_bytes(row, geom, batch, ctx)
-    copies = max(2, min(64, math.ceil(ROTATE / nbytes)))
+    copies = rotation_copies(geom, batch, ctx)
     torch.manual_seed(0)
     case = build_case(geom, batch, ctx, {fmt: row}, sdpa=False, copies=copies, device=dev)
     cache, tables, q, sl, sinks = case["caches"][fmt], case["tables"], case["query"], case["seq_lens"], case["sinks"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import sys
 
@@ -18,7 +17,17 @@ import torch
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import FORMATS, GEOMETRIES, ROTATE_BYTES, build_case, kv_bytes, rel_err, sdpa_call, time_calls, write_probe
+from bench_decode import (
+    FORMATS,
+    GEOMETRIES,
+    build_case,
+    kv_bytes,
+    rel_err,
+    rotation_copies,
+    sdpa_times,
+    time_calls,
+    write_probe,
+)
 from kvpolicy.kernels import tq_gluon as tg
 from kvpolicy.kernels import tq_warp
 from kvpolicy.kernels.tq_decode import decode_attention_tq
@@ -53,14 +62,11 @@ def main() -> None:
         for batch in map(int, args.batch.split(",")):
             for ctx in map(int, args.contexts.split(",")):
                 torch.manual_seed(0)
-                # enough copies that a timing's rotation misses L2 (60 MB on an H200) at short contexts too
-                copies = max(2, min(64, math.ceil(ROTATE_BYTES / (batch * ctx * geom.num_kv_heads * geom.head_dim * 4))))
+                copies = rotation_copies(geom, batch, ctx)
                 case = build_case(geom, batch, ctx, rows, sdpa=True, copies=copies, device=dev, pages=pages)
                 tables, q, sl = case["tables"], case["query"], case["seq_lens"]
-                # cuDNN in both call forms, the faster (as bench_decode: "folded" alone took 1.1 ms on the
-                # gpt-oss layer at batch 1, 128k, against 66 us for "gqa")
-                base = {"sdpa_cudnn": min(time_calls([sdpa_call(case, geom, c, SDPBackend.CUDNN_ATTENTION, form)
-                                                      for c in range(copies)]) for form in ("gqa", "folded"))}
+                base = {"sdpa_cudnn": min(sdpa_times(case, geom, copies, SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn").values(),
+                                          default=float("nan"))}
                 for fmt in fmts:
                     cache = case["caches"][fmt]
                     calls = [lambda c=c, f=fmt, cache=cache: FORMATS[f]["decode"](cache, q, tables[c], sl, case["sinks"])
@@ -87,7 +93,7 @@ def main() -> None:
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = tg.default_splits(fmt, batch, geom.num_kv_heads, tables.shape[2] * tg.PAGE,
                                                     geom.head_dim, dev, cfg)
-                        tg.default_config = lambda fmt, head_dim, cfg=cfg: cfg  # noqa: E731 - the router reads it
+                        tg.default_config = lambda fmt, head_dim, cfg=cfg: cfg
                         for scale in map(float, args.split_scale.split(",")):
                             splits = max(1, int(default * scale))
                             try:

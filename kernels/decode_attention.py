@@ -184,8 +184,9 @@ def split_count(batch: int, num_kv_heads: int, max_context: int, tile: int, prog
     if pairs >= resident:
         return 1  # the sequences alone fill a wave
     tiles = max(1, -(-max_context // tile))
+    # a power of two that would leave more than 1 - pow2_fill of the wave empty gives way to the exact count
     exact = _pow2_floor(resident // pairs) * pairs < pow2_fill * resident
-    round_down = (lambda x: max(1, x)) if exact else _pow2_floor
+    round_down = (lambda x: x) if exact else _pow2_floor
     splits = round_down(resident // pairs)
     for w in waves:
         more = _pow2_floor(w * resident // pairs)

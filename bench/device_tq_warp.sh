@@ -90,10 +90,14 @@
 #            its merge, on 347a7ce: bench/results_tq_floor/probe_pdl.log; no gain, reverted, the option is gone).
 #   k8v4:    k8v4 (the warpgroup kernel) on the gpt-oss layer at 128k, batch 1 and 8: 64- or 128-token tiles,
 #            uncapped or capped at 128 registers, 0.5-2x the default split count.
+# session 29:
+#   fused:   GPU tests of TQGluonConfig.fused_merge (-k fused), then bench/probe_tq_floor.py --fused: the
+#            per-warp defaults with the split merge in the kernel between two plain calls, gpt-oss 4bit_nc,
+#            k3v4_nc and 3bit_nc at 4k-128k, Llama 4bit_nc and 3bit_nc at 4k and 128k, batch 1 and 8.
 #   unroll3: 3bit_nc on the gpt-oss layer, four pages per warp, one or two tiles per iteration (582 against 626
 #            instructions per tile with the pages in thread order), 4k and 128k, batch 8 and 1.
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor|k8v4}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor|k8v4|fused}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -409,6 +413,15 @@ elif [ "$2" = floor ]; then
   PROBE_LIMIT=300 logged_probe probe_twopage.log twopage --formats $f --block-n 128 --maxnreg 0,128 --unroll 0,1 $c
   logged_probe probe_twopage.log fourpage --formats $f --block-n 256 --unroll 1 $c
   grep -E "^==| us \(" "$out/probe_twopage.log" | sed 's/lazy=1 per_warp=1 ahead=2 sum=1 //; s/; vs Triton.*//'
+elif [ "$2" = fused ]; then
+  timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k fused -p no:cacheprovider > "$out/pytest_fused.log" 2>&1
+  tail -3 "$out/pytest_fused.log"
+  f3=turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc
+  timeout 200 python3 bench/probe_tq_floor.py --fused --batch 1,8 --formats $f3 --out "$out/probe_fused_gptoss.json" \
+    > "$out/probe_fused.log" 2>&1
+  timeout 100 python3 bench/probe_tq_floor.py --fused --batch 1,8 --geometries llama-3.1-8b --contexts 4096,131072 \
+    --formats turboquant_4bit_nc,turboquant_3bit_nc --out "$out/probe_fused_llama.json" >> "$out/probe_fused.log" 2>&1
+  grep -v picked "$out/probe_fused.log"
 elif [ "$2" = k8v4 ]; then
   PROBE_LIMIT=300 logged_probe probe_k8v4.log k8v4 --geometries gpt-oss-20b --formats turboquant_k8v4 --contexts 131072 \
     --batch 1,8 --block-n 64,128 --maxnreg 0,128 --split-scale 0.5,1,2

@@ -1,15 +1,18 @@
 """Where a batch-1 TurboQuant decode step's time goes: the whole call (the per-warp kernel and the split
 merge, `tq_gluon.default_config`), the kernel alone (the merge skipped), the kernel followed by an empty
 launch on the merge's grid (the second launch's own cost), the merge alone (on partials of the kernel's
-shape) and an empty kernel on the kernel's grid (one launch in a CUDA graph). Each timed like bench_decode
-(median CUDA-graph replay, rotating over enough cache copies to miss L2). GPU only (sm_90).
+shape) and an empty kernel on the kernel's grid (one launch in a CUDA graph). --fused times instead the call
+with the merge in the kernel (`TQGluonConfig.fused_merge`) between two plain calls ("call", "fused",
+"call2": the plain call twice, for the run's noise). Each timed like bench_decode (median CUDA-graph
+replay, rotating over enough cache copies to miss L2). GPU only (sm_90).
 
 Usage: python bench/probe_tq_floor.py [--geometries gpt-oss-20b] [--formats turboquant_4bit_nc]
-       [--contexts 4096,131072] [--batch 1] [--out JSON]
+       [--contexts 4096,131072] [--batch 1] [--fused] [--out JSON]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -39,7 +42,7 @@ def _empty_kernel(x_ptr):
         tl.store(x_ptr, 0)
 
 
-def measure(gname: str, batch: int, ctx: int, fmt: str, dev: torch.device) -> dict:
+def measure(gname: str, batch: int, ctx: int, fmt: str, dev: torch.device, fused: bool = False) -> dict:
     """One case's timings (us), as described at the top."""
     geom, row = GEOMETRIES[gname], FORMATS[f"{fmt}_gl"]
     nbytes = kv_bytes(row, geom, batch, ctx)
@@ -55,6 +58,16 @@ def measure(gname: str, batch: int, ctx: int, fmt: str, dev: torch.device) -> di
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     merge = da.launch_merge
     t = {"call": time_calls(calls)}
+    if fused:
+        default = tg.default_config
+        try:
+            tg.default_config = lambda f, d: dataclasses.replace(default(f, d), fused_merge=True)
+            t["fused"] = time_calls(calls)
+        finally:
+            tg.default_config = default
+        t["call2"] = time_calls(calls)
+        return {"geometry": gname, "batch": batch, "context": ctx, "format": fmt, "splits": splits,
+                "copies": copies, "bytes": nbytes, "us": t}
     try:  # tq_warp imports launch_merge at call time
         da.launch_merge = lambda *a, **k: None
         t["kernel"] = time_calls(calls)
@@ -78,13 +91,14 @@ def main() -> None:
     p.add_argument("--formats", default="turboquant_4bit_nc,turboquant_3bit_nc")
     p.add_argument("--contexts", default="4096,16384,65536,131072")
     p.add_argument("--batch", default="1")
+    p.add_argument("--fused", action="store_true", help="time the call with TQGluonConfig.fused_merge instead")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
     results = []
     for gname, batch, ctx, fmt in itertools.product(args.geometries.split(","), map(int, args.batch.split(",")),
                                                     map(int, args.contexts.split(",")), args.formats.split(",")):
-        r = measure(gname, batch, ctx, fmt, dev)
+        r = measure(gname, batch, ctx, fmt, dev, args.fused)
         results.append(r)
         print(f"{gname} b{batch} {ctx} {fmt} splits={r['splits']} copies={r['copies']}: "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["us"].items())

@@ -313,6 +313,62 @@ def _store_result(o, m, l, q_head, h_mask, offs_d, seq, split, num_splits, sinks
 
 
 @gluon.jit
+def _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq, kvh, num_splits, stride_ob,
+                   stride_oh, NUM_KV: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr, HAS_SINKS: gl.constexpr):
+    """The split merge in the decode kernel (`TQGluonConfig.fused_merge`), after `_store_result` wrote this
+    program's partials: each split of a (sequence, KV head) counts itself in `cnt_ptr` (`arrival_counters`), and
+    the last to arrive merges the GQA group's `num_splits` (<= S_BLOCK) partials, S_CHUNK splits at a time with
+    a running max, into the output, the sink's logit in the denominator (as `decode_attention`'s merge kernel),
+    then zeroes the counter for the next launch. The merge's own launch goes, and its loads come from L2."""
+    # Release: every warp's partial stores, then the count (thread 0's acq_rel atomic, after a barrier that
+    # orders the other warps' stores before it). Acquire: the last program's reads of the others' partials.
+    gl.thread_barrier()
+    cnt = cnt_ptr + seq * NUM_KV + kvh
+    arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        # [splits, heads, D]: each thread 4 consecutive dims (16-byte loads) of one head, every split of a chunk
+        L: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32 // (HEAD_DIM // 4), HEAD_DIM // 4], [1, 4, 1],
+                                           [2, 1, 0])
+        SH: gl.constexpr = gl.SliceLayout(2, L)
+        HD: gl.constexpr = gl.SliceLayout(0, L)
+        offs_h = gl.arange(0, 8, layout=gl.SliceLayout(0, SH))
+        offs_s = gl.arange(0, S_CHUNK, layout=gl.SliceLayout(1, SH))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, HD))
+        offs_d3 = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))[None, None, :]
+        h_mask = offs_h < GROUP
+        row = seq * (NUM_KV * GROUP) + kvh * GROUP + offs_h
+        if HAS_SINKS:  # the sink starts the running max and sum: exp2(sink - sink) = 1
+            m_run = gl.load(sinks_ptr + kvh * GROUP + offs_h, mask=h_mask, other=0.0).to(gl.float32) * 1.4426950408889634
+            denom = gl.full([8], 1.0, gl.float32, gl.SliceLayout(0, SH))
+        else:
+            m_run = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, SH))
+            denom = gl.zeros([8], gl.float32, gl.SliceLayout(0, SH))
+        o = gl.zeros([8, HEAD_DIM], gl.float32, HD)
+        # unrolled: no chunk's loads wait for an earlier chunk's sums. .cg: from L2, never a line this SM's
+        # L1 kept from an earlier read of a neighbouring group's partials.
+        for c in gl.static_range(0, S_BLOCK, S_CHUNK):
+            split = c + offs_s
+            mask = (split < num_splits)[:, None] & h_mask[None, :]
+            lse = gl.load(part_lse_ptr + row[None, :] * num_splits + split[:, None], mask=mask,
+                          other=float("-inf"), cache_modifier=".cg")
+            parts = gl.load(part_out_ptr + ((row[None, :] * num_splits + split[:, None]) * HEAD_DIM)[:, :, None]
+                            + offs_d3, mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+            m_new = gl.maximum(m_run, gl.max(lse, 0))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing yet: every weight 0
+            scale = gl.exp2(m_run - m_use)
+            w = gl.exp2(lse - m_use[None, :])
+            denom = denom * scale + gl.sum(w, 0)
+            o = o * gl.convert_layout(scale, gl.SliceLayout(1, HD))[:, None] + gl.sum(parts * w[:, :, None], 0)
+            m_run = m_new
+        d = gl.convert_layout(gl.where(denom == 0.0, 1.0, denom), gl.SliceLayout(1, HD))
+        q_head = kvh * GROUP + gl.arange(0, 8, layout=gl.SliceLayout(1, HD))
+        gl.store(out_ptr + seq * stride_ob + (q_head * stride_oh)[:, None] + offs_d[None, :],
+                 (o / d[:, None]).to(out_ptr.dtype.element_ty), mask=(q_head < (kvh + 1) * GROUP)[:, None])
+        gl.store(cnt, 0)
+
+
+@gluon.jit
 def _tq_gluon_kernel(
     q_ptr, order_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_out_ptr,
     part_lse_ptr, q_scale, window, num_splits,
@@ -423,6 +479,32 @@ class TQGluonConfig:
     """Per-warp kernel: rotate the query in the prologue (`tq_warp._rotated_query`, one mma.sync product per
     program) instead of in a kernel of its own before it (`tq_decode._tq_rotate_query_kernel`): one launch less
     per decode step."""
+    fused_merge: bool = False
+    """Per-warp kernel, split calls of up to `MAX_FUSED_SPLITS` splits: the last split of each (sequence, KV
+    head) to finish merges the partials itself (`_merge_if_last`) instead of a merge kernel after the grid:
+    one launch less per decode step."""
+
+
+MAX_FUSED_SPLITS = 64
+"""Most splits `TQGluonConfig.fused_merge` merges in the kernel (its unrolled chunks grow with the count);
+calls with more take the merge kernel."""
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """int32 zeros, at least `n`: one counter per (sequence, KV head) of a fused-merge launch
+    (`_merge_if_last`), one buffer per device. The last split of each group zeroes its counter, so the buffer
+    is zero again whenever a launch ends; launches that share it must not overlap, which holds for one decode
+    stream per device (graph replays included), not for fused launches on two streams at once. None while a
+    CUDA graph is being captured and the buffer is missing or too small (memory allocated in a capture belongs
+    to the graph's pool): that call takes the merge kernel, so warm up eagerly before capturing."""
+    device = torch.device(device)
+    buf = _ARRIVALS.get(device)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _ARRIVALS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
@@ -485,12 +567,16 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
       160.5 / 156.4 us at 128k, 12.8 / 12.6 at 4k; batch 1 27.9 / 27.0 and 7.2 / 7.7.
     - FP8 keys at head_dim 128 (k8v4): 128-token tiles in the warpgroup kernel (Llama layer 498 us against 568
       for 64); at head_dim 64, 64-token tiles, which leave 4-5 programs per SM (3bit_nc 545 against 605 for
-      128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264)."""
+      128). The block table loads two tiles ahead (k8v4 422 against 448 us and 247 against 264).
+    - The split merge in the per-warp kernel (`fused_merge`, twenty-ninth session, `bench/results_tq_fused/`, us,
+      plain call / fused / plain again): gpt-oss layer batch 1 128k 4bit_nc 29.38 / 28.30 / 29.18, k3v4_nc
+      27.94 / 26.93 / 27.34, 3bit_nc 28.02 / 27.06 / 27.48, 4k 3bit_nc 7.51 / 6.88 / 7.48; batch 8 128k
+      within 1.2 us; Llama layer batch 1 128k 4bit_nc 49.15 / 47.16 / 47.70, batch 8 4k 19.49 / 18.20 / 19.61."""
     from kvpolicy.kernels import tq_warp
 
     if fmt in tq_warp.FORMATS:
         return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True, unroll=True,
-                             mma_sums=True, rotate_query=True)
+                             mma_sums=True, rotate_query=True, fused_merge=True)
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)

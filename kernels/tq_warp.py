@@ -14,7 +14,8 @@ pages (`pages_per_warp`: 16-64 tokens) of every 64-, 128- or 256-token tile and 
   loads its tokens' value bytes, already paired by the page (below), and turns them into fp16 subnormal
   pairs by shifts and masks (`v_word_program`, `v3_word_program`), so the values never go through shared
   memory;
-- the warps' (max, sums, O^T) are merged once, at the end.
+- the warps' (max, sums, O^T) are merged once, at the end; with splits, the last split of each (sequence, KV
+  head) merges the splits' partials itself (`TQGluonConfig.fused_merge`) instead of a merge kernel after it.
 Two pages per warp (twelfth session) double each warp's loads in flight and the MMAs per softmax step: 10-16%
 faster at 128k on both layers, though at head_dim 128 they take 201-208 registers (2 programs per SM); four
 pages at head_dim 64 another 6-9% (253-255 registers). The pages of these formats hold each plane in this
@@ -50,16 +51,20 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.tq_gluon import (
     _K3_I8_ASM,
     _K4_I8_ASM,
     LAZY_MAX_MARGIN,
+    MAX_FUSED_SPLITS,
     Q_LO,
     Q_LO_INT,
     _kernel_table,
+    _merge_if_last,
     _store_result,
     _word_bytes,
+    arrival_counters,
     kernel_constexprs,
     query_order,
 )
@@ -619,7 +624,7 @@ def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROU
 @gluon.jit
 def _tq_warp_kernel(
     q_ptr, order_ptr, rot_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
-    part_out_ptr, part_lse_ptr, q_scale, window, num_splits,
+    part_out_ptr, part_lse_ptr, cnt_ptr, q_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
@@ -629,6 +634,7 @@ def _tq_warp_kernel(
     MMA_SUMS: gl.constexpr, FW: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr,
     UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, ROTATE: gl.constexpr, OFF32: gl.constexpr,
+    FUSED: gl.constexpr, S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
@@ -771,19 +777,23 @@ def _tq_warp_kernel(
     o = o * unit[:, None] + z_o[None, :]
     _store_result(o, m_o, l_o, q_head, h_mask, offs_d, seq, split, num_splits, sinks_ptr, out_ptr, part_out_ptr,
                   part_lse_ptr, stride_ob, stride_oh, NUM_KV, GROUP, HEAD_DIM, HAS_SINKS, IS_SPLIT)
+    if FUSED:
+        _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq, kvh, num_splits, stride_ob,
+                       stride_oh, NUM_KV, GROUP, HEAD_DIM, S_BLOCK, S_CHUNK, HAS_SINKS)
 
 
 FORMATS = WARP_ORDER_FORMATS
 """Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values, their planar pages in this
 kernel's order (`turboquant.warp_plane_order`)."""
-REGISTERS = {"turboquant_4bit_nc": {(64, 64): 96, (64, 128): 151, (64, 256): 230, (128, 64): 146, (128, 128): 199},
-             "turboquant_k3v4_nc": {(64, 64): 110, (64, 128): 149, (64, 256): 216, (128, 64): 147, (128, 128): 198},
-             "turboquant_3bit_nc": {(64, 64): 116, (64, 128): 150, (64, 256): 222, (128, 64): 149,
-                                    (128, 128): 202}}
+REGISTERS = {"turboquant_4bit_nc": {(64, 64): 96, (64, 128): 151, (64, 256): 232, (128, 64): 146, (128, 128): 199},
+             "turboquant_k3v4_nc": {(64, 64): 110, (64, 128): 149, (64, 256): 221, (128, 64): 147, (128, 128): 200},
+             "turboquant_3bit_nc": {(64, 64): 116, (64, 128): 150, (64, 256): 221, (128, 64): 149,
+                                    (128, 128): 216}}
 """Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
 two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on and, for the default tiles (256 at head_dim 64, 128 at
-128), `TQGluonConfig.unroll`, `mma_sums` and `rotate_query` where `tq_gluon.default_config` sets them; `bench/sass_mix.py
---tq-gluon FORMAT --head-dim D --block-n BN --per-warp --sum-pages [--unroll] [--mma-sums] [--rotate]`);
+128), `TQGluonConfig.unroll`, `mma_sums`, `rotate_query` and `fused_merge` where `tq_gluon.default_config` sets them;
+`bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n BN --per-warp --sum-pages [--unroll] [--mma-sums] [--rotate]
+[--fused-splits 32]`: the same count for 4 splits);
 `TQGluonConfig.maxnreg` overrides."""
 
 
@@ -803,7 +813,8 @@ def smem_bytes(head_dim: int) -> int:
 def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
                    sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg) -> torch.Tensor:
-    """Run the kernel (and the shared merge when split); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
+    """Run the kernel (and, when split without `cfg.fused_merge` or past `MAX_FUSED_SPLITS` splits, the shared
+    merge kernel); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
     `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages, unroll, mma_sums, rotate_query: then
     `q16` is the query itself and `q_scale` the softmax scale x log2(e), and the kernel rotates it)."""
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
@@ -821,15 +832,21 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     part_out, part_lse = split_partials(out, splits)
     table = _kernel_table(fmt, head_dim, str(cache.device))
     rot = rotation_operand(fmt, head_dim, str(cache.device)) if cfg.rotate_query else table
+    counters = None
+    if cfg.fused_merge and 1 < splits <= MAX_FUSED_SPLITS:
+        counters = arrival_counters(cache.device, batch * num_kv_heads)
+    s_block = max(4, triton.next_power_of_2(splits))
     _tq_warp_kernel[(num_kv_heads, splits, batch)](
         q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
-        sinks if sinks is not None else seq_lens, out, part_out, part_lse, float(q_scale), int(sliding_window or 0),
+        sinks if sinks is not None else seq_lens, out, part_out, part_lse,
+        counters if counters is not None else seq_lens, float(q_scale), int(sliding_window or 0),
         splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
-        HAS_SINKS=sinks is not None and splits == 1, IS_SPLIT=splits > 1, ROTATE=cfg.rotate_query,
-        OFF32=cache.nbytes // 4 < 2**31, num_warps=4,
+        HAS_SINKS=sinks is not None and (splits == 1 or counters is not None), IS_SPLIT=splits > 1,
+        ROTATE=cfg.rotate_query, OFF32=cache.nbytes // 4 < 2**31, FUSED=counters is not None,
+        S_BLOCK=s_block, S_CHUNK=min(s_block, 4096 // head_dim), num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    if splits > 1:
+    if splits > 1 and counters is None:
         launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)
     return out

@@ -197,6 +197,76 @@ def test_per_warp_rotating_the_query_in_the_kernel_matches_reference(fmt: str, w
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
+@pytest.mark.parametrize("d, hq", SHAPES)
+@pytest.mark.parametrize("window, sinks, splits", CASES + [(None, True, 40), (200, False, 70)])
+def test_per_warp_fused_merge_matches_reference(fmt: str, d: int, hq: int, window, sinks: bool, splits,
+                                                device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TQGluonConfig.fused_merge`: the last split of each group merges the partials in the kernel, sinks in
+    the denominator, GQA 8, 4 and 1. 40 splits of 1025 tokens leave most splits empty (log-sum-exp -inf) and
+    take two chunks at head_dim 128 (`_merge_if_last`); 70 is past `MAX_FUSED_SPLITS` (the merge kernel)."""
+    from kvpolicy.kernels import tq_gluon
+
+    cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), fused_merge=True)
+    _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
+    assert all(not c.any() for c in tq_gluon._ARRIVALS.values()), "a counter left non-zero for the next launch"
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_per_warp_fused_merge_replays_in_a_cuda_graph(fmt: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counters a fused merge leaves zeroed serve the next launch: eager calls, then a CUDA graph of two
+    calls replayed three times, all bit-identical (the same partials merged in the same order). A first call
+    inside a capture finds no counters and takes the merge kernel: the same output up to rounding."""
+    from kvpolicy.kernels import tq_gluon
+    from kvpolicy.kernels.tq_decode import decode_attention_tq
+    from kvpolicy.kernels.turboquant import planar_from_slots
+    from test_tq_decode import _paged
+
+    cfg = dataclasses.replace(tq_gluon.default_config(fmt, 64), fused_merge=True)
+    monkeypatch.setattr(tq_gluon, "default_config", lambda fmt, head_dim: cfg)
+    seq = (3000, 1025, 17)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    cache, tables = _paged(fmt, [torch.randn(n, 8, 64) for n in seq], [torch.randn(n, 8, 64) for n in seq],
+                           seq_lens, 16, device)
+    cache = planar_from_slots(cache, fmt, 64).to(device)
+    seq_lens = seq_lens.to(device)
+    query = torch.randn(3, 64, 64, device=device)
+    sinks = torch.randn(64, device=device)
+
+    def step(out):
+        return decode_attention_tq(query, cache, tables, seq_lens, fmt, sinks=sinks, out=out, kernel="gluon",
+                                   num_splits=5)
+
+    eager = step(torch.empty_like(query)).clone()
+    assert torch.equal(step(torch.empty_like(query)), eager)
+    outs = [torch.empty_like(query), torch.empty_like(query)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(outs[0])
+        step(outs[1])
+    for _ in range(3):
+        outs[0].fill_(float("nan"))
+        outs[1].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], eager) and torch.equal(outs[1], eager)
+    assert all(not c.any() for c in tq_gluon._ARRIVALS.values())
+
+    monkeypatch.setattr(tq_gluon, "_ARRIVALS", {})
+    cold = torch.empty_like(query)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(cold)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not tq_gluon._ARRIVALS, "counters allocated inside a capture"
+    assert _rel(cold.double(), eager.double()) <= 1e-5
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
 @pytest.mark.parametrize("d, hq", [(64, 64), (128, 32)])
 def test_per_warp_reads_pages_past_8_gib(fmt: str, d: int, hq: int, device: str) -> None:
     """A cache of 8 GiB or more takes 64-bit page offsets (`tq_warp._load_w`'s OFF32 off): the same pages moved

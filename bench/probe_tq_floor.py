@@ -12,6 +12,7 @@ Usage: python bench/probe_tq_floor.py [--geometries gpt-oss-20b] [--formats turb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -42,8 +43,20 @@ def _empty_kernel(x_ptr):
         tl.store(x_ptr, 0)
 
 
+@contextlib.contextmanager
+def _config(**fields):
+    """`tq_gluon.default_config` with `fields` replaced, for the calls inside the block."""
+    default = tg.default_config
+    tg.default_config = lambda f, d: dataclasses.replace(default(f, d), **fields)
+    try:
+        yield
+    finally:
+        tg.default_config = default
+
+
 def measure(gname: str, batch: int, ctx: int, fmt: str, dev: torch.device, fused: bool = False) -> dict:
-    """One case's timings (us), as described at the top."""
+    """One case's timings (us), as described at the top. The plain call is the default config with the merge
+    kernel (`fused_merge` off), whatever the default, so that "kernel alone" skips the merge."""
     geom, row = GEOMETRIES[gname], FORMATS[f"{fmt}_gl"]
     nbytes = kv_bytes(row, geom, batch, ctx)
     copies = rotation_copies(geom, batch, ctx)
@@ -57,22 +70,23 @@ def measure(gname: str, batch: int, ctx: int, fmt: str, dev: torch.device, fused
              for c in range(copies)]
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     merge = da.launch_merge
-    t = {"call": time_calls(calls)}
+    result = {"geometry": gname, "batch": batch, "context": ctx, "format": fmt, "splits": splits, "copies": copies,
+              "bytes": nbytes, "us": {}}
+    t = result["us"]
+    with _config(fused_merge=False):
+        t["call"] = time_calls(calls)
     if fused:
-        default = tg.default_config
-        try:
-            tg.default_config = lambda f, d: dataclasses.replace(default(f, d), fused_merge=True)
+        with _config(fused_merge=True):
             t["fused"] = time_calls(calls)
-        finally:
-            tg.default_config = default
-        t["call2"] = time_calls(calls)
-        return {"geometry": gname, "batch": batch, "context": ctx, "format": fmt, "splits": splits,
-                "copies": copies, "bytes": nbytes, "us": t}
+        with _config(fused_merge=False):
+            t["call2"] = time_calls(calls)
+        return result
     try:  # tq_warp imports launch_merge at call time
-        da.launch_merge = lambda *a, **k: None
-        t["kernel"] = time_calls(calls)
-        da.launch_merge = lambda *a, **k: _empty_kernel[(geom.num_q_heads, batch)](flag, num_warps=4)
-        t["kernel+empty"] = time_calls(calls)
+        with _config(fused_merge=False):
+            da.launch_merge = lambda *a, **k: None
+            t["kernel"] = time_calls(calls)
+            da.launch_merge = lambda *a, **k: _empty_kernel[(geom.num_q_heads, batch)](flag, num_warps=4)
+            t["kernel+empty"] = time_calls(calls)
     finally:
         da.launch_merge = merge
     part_out, part_lse = da.split_partials(out, splits)
@@ -81,8 +95,7 @@ def measure(gname: str, batch: int, ctx: int, fmt: str, dev: torch.device, fused
         part_lse.normal_()
         t["merge"] = time_calls([lambda: merge(part_out, part_lse, sinks, out, splits, pdl=False)])
     t["empty"] = time_calls([lambda: _empty_kernel[(geom.num_kv_heads, splits, batch)](flag, num_warps=4)])
-    return {"geometry": gname, "batch": batch, "context": ctx, "format": fmt, "splits": splits, "copies": copies,
-            "bytes": nbytes, "us": t}
+    return result
 
 
 def main() -> None:

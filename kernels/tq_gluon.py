@@ -345,8 +345,9 @@ def _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq,
             m_run = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, SH))
             denom = gl.zeros([8], gl.float32, gl.SliceLayout(0, SH))
         o = gl.zeros([8, HEAD_DIM], gl.float32, HD)
-        # unrolled: no chunk's loads wait for an earlier chunk's sums. .cg: from L2, never a line this SM's
-        # L1 kept from an earlier read of a neighbouring group's partials.
+        # unrolled: no chunk's loads wait for an earlier chunk's sums (at up to `MAX_FUSED_SPLITS` splits there
+        # is one chunk). .cg: from L2, never a line this SM's L1 kept from an earlier read of a neighbouring
+        # group's partials.
         for c in gl.static_range(0, S_BLOCK, S_CHUNK):
             split = c + offs_s
             mask = (split < num_splits)[:, None] & h_mask[None, :]
@@ -485,9 +486,11 @@ class TQGluonConfig:
     one launch less per decode step."""
 
 
-MAX_FUSED_SPLITS = 64
-"""Most splits `TQGluonConfig.fused_merge` merges in the kernel (its unrolled chunks grow with the count);
-calls with more take the merge kernel."""
+MAX_FUSED_SPLITS = 32
+"""Most splits `TQGluonConfig.fused_merge` merges in the kernel, in one block of loads: the per-warp defaults'
+count at batch 1 with 8 KV heads. Up to 32 the sm_90 compile keeps the registers of 4 splits (`tq_warp.REGISTERS`);
+from 33 every per-warp format takes 255 and head_dim 64 spills 8 bytes (`bench/sass_mix.py ... --fused-splits
+33`). Calls with more splits take the merge kernel."""
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 

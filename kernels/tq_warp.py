@@ -810,6 +810,13 @@ def smem_bytes(head_dim: int) -> int:
     return 128 * head_dim
 
 
+def merge_blocks(splits: int, head_dim: int) -> dict:
+    """`_merge_if_last`'s S_BLOCK (the split count rounded up to a power of two, at least 4) and S_CHUNK (the
+    splits it loads at once: all of them up to `MAX_FUSED_SPLITS`)."""
+    s_block = max(4, triton.next_power_of_2(splits))
+    return {"S_BLOCK": s_block, "S_CHUNK": min(s_block, 4096 // head_dim)}
+
+
 def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
                    sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg) -> torch.Tensor:
@@ -835,7 +842,6 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     counters = None
     if cfg.fused_merge and 1 < splits <= MAX_FUSED_SPLITS:
         counters = arrival_counters(cache.device, batch * num_kv_heads)
-    s_block = max(4, triton.next_power_of_2(splits))
     _tq_warp_kernel[(num_kv_heads, splits, batch)](
         q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
         sinks if sinks is not None else seq_lens, out, part_out, part_lse,
@@ -845,7 +851,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and (splits == 1 or counters is not None), IS_SPLIT=splits > 1,
         ROTATE=cfg.rotate_query, OFF32=cache.nbytes // 4 < 2**31, FUSED=counters is not None,
-        S_BLOCK=s_block, S_CHUNK=min(s_block, 4096 // head_dim), num_warps=4,
+        **merge_blocks(splits if counters is not None else 1, head_dim), num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1 and counters is None:
         launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)

@@ -4,7 +4,8 @@ caches; each config's output is checked against the Triton kernel's. GPU only (s
 
 Usage: python bench/probe_tq_gluon.py [--formats turboquant_4bit_nc,turboquant_k8v4] [--contexts 32768,131072]
        [--batch 1,8] [--block-n 64,128] [--maxnreg 0,128] [--split-scale 1,2] [--lazy 1,0]
-       [--per-warp 0,1] [--pages-ahead 1,2] [--sum-pages 0,1] [--pages random,sequential] [--out JSON]
+       [--per-warp 0,1] [--pages-ahead 1,2] [--sum-pages 0,1] [--fused-merge 0,1] [--pages random,sequential]
+       [--out JSON]
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def main() -> None:
     p.add_argument("--unroll", default="0", help="TQGluonConfig.unroll (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--mma-sums", default="0", help="TQGluonConfig.mma_sums (per-warp kernel) to try: 0, 1 or 0,1")
     p.add_argument("--rotate", default="0", help="TQGluonConfig.rotate_query (per-warp kernel) to try: 0, 1 or 0,1")
+    p.add_argument("--fused-merge", default="0",
+                   help="TQGluonConfig.fused_merge (per-warp kernel; the default config's) to try: 0, 1 or 0,1")
     p.add_argument("--pages", default="random", help="block tables: random, sequential or both (bench_decode.build_case)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -78,18 +81,19 @@ def main() -> None:
                     want = FORMATS[fmt]["decode"](case["caches"][fmt], q, tables[0], sl, case["sinks"]).float()
                     # the Gluon kernel reads the planar layout of the same bytes
                     cache = planar_from_slots(case["caches"][fmt], fmt, geom.head_dim)
-                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll, mma_sums, rotate in itertools.product(
+                    for maxnreg, block_n, lazy, per_warp, ahead, sum_pages, unroll, mma_sums, rotate, fused in itertools.product(
                             map(int, args.maxnreg.split(",")), map(int, args.block_n.split(",")),
                             map(int, args.lazy.split(",")), map(int, args.per_warp.split(",")),
                             map(int, args.pages_ahead.split(",")), map(int, args.sum_pages.split(",")),
                             map(int, args.unroll.split(",")), map(int, args.mma_sums.split(",")),
-                            map(int, args.rotate.split(","))):
-                        if (per_warp and fmt not in tq_warp.FORMATS) or ((sum_pages or unroll or mma_sums or rotate)
-                                                                          and not per_warp):
+                            map(int, args.rotate.split(",")), map(int, args.fused_merge.split(","))):
+                        if (per_warp and fmt not in tq_warp.FORMATS) or ((sum_pages or unroll or mma_sums or rotate
+                                                                           or fused) and not per_warp):
                             continue
                         cfg = tg.TQGluonConfig(block_n=block_n, maxnreg=maxnreg or None, lazy_max=bool(lazy),
                                                per_warp=bool(per_warp), pages_ahead=ahead, sum_pages=bool(sum_pages),
-                                               unroll=bool(unroll), mma_sums=bool(mma_sums), rotate_query=bool(rotate))
+                                               unroll=bool(unroll), mma_sums=bool(mma_sums), rotate_query=bool(rotate),
+                                               fused_merge=bool(fused))
                         res = tg.programs_per_sm(fmt, geom.head_dim, dev, cfg)
                         default = tg.default_splits(fmt, batch, geom.num_kv_heads, tables.shape[2] * tg.PAGE,
                                                     geom.head_dim, dev, cfg)
@@ -109,11 +113,12 @@ def main() -> None:
                                             "maxnreg": maxnreg, "block_n": block_n, "lazy_max": bool(lazy),
                                             "per_warp": bool(per_warp), "pages_ahead": ahead, "sum_pages": bool(sum_pages),
                                             "unroll": bool(unroll), "mma_sums": bool(mma_sums), "rotate_query": bool(rotate),
+                                            "fused_merge": bool(fused),
                                             "resident": res,
                                             "splits": splits, "us": us, "tbs": nbytes / us / 1e6, "rel_err_vs_triton": err,
                                             "baselines": base})
                             print(f"  {fmt}_gl block_n={block_n} lazy={lazy} per_warp={per_warp} ahead={ahead} sum={sum_pages} unroll={unroll} "
-                                  f"mma_sums={mma_sums} rotate={rotate} maxnreg={maxnreg} "
+                                  f"mma_sums={mma_sums} rotate={rotate} fused={fused} maxnreg={maxnreg} "
                                   f"resident={res} "
                                   f"splits={splits}: {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s; vs Triton "
                                   f"{base[fmt] / us:.2f}x; err vs Triton {err:.1e})", flush=True)

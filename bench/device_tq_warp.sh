@@ -96,8 +96,20 @@
 #            k3v4_nc and 3bit_nc at 4k-128k, Llama 4bit_nc and 3bit_nc at 4k and 128k, batch 1 and 8.
 #   unroll3: 3bit_nc on the gpt-oss layer, four pages per warp, one or two tiles per iteration (582 against 626
 #            instructions per tile with the pages in thread order), 4k and 128k, batch 8 and 1.
+# session 31 (bench/results_tq_stamps/):
+#   stamps:  GPU tests of the probe's timer reads (-k stamps) and of the fused merge, then bench/probe_tq_stamps.py:
+#            the per-warp defaults' programs timed from inside (global timer at entry, seq_len, the query's loads
+#            and product, the prologue, the loop's end, the split count, the split merge): gpt-oss 4bit_nc and
+#            3bit_nc at batch 1 (4k, 16k, 128k) and batch 8 (16k: batch 1's tiles per program at 128k; 128k),
+#            Llama 3bit_nc at batch 1.
+#   raw:     the same probe's last run whole (every program's stamps and SM), gpt-oss 4bit_nc at 128k, batch 1
+#            and 8: which programs end late.
+#   (modes run on branch tq-stamps-exp and removed with its knobs: `stamps2` (the query's stamps, rotated in the
+#            kernel or before it), `prologue` (TQGluonConfig.interleave and pages_first, a branch that kept the
+#            query's product after the first tile's loads), `stagger` (split s started (s mod 4) x 250-1000 ns
+#            late): stamps_rotate.*, prologue*, stagger* in bench/results_tq_stamps/.)
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor|k8v4|fused}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor|k8v4|fused|stamps|raw}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -122,7 +134,18 @@ evidence_run() {  # TAG: the evidence run (every row, batch 8) and the Gluon row
     --skip-accuracy --out "$out/results_decode_h200_tq_gluon_$1.json" > "$out/results_decode_h200_tq_gluon_$1.log" 2>&1
   grep -E "gl: " "$out/results_decode_h200_tq_gluon_$1.log" | tail -12
 }
-if [ "$2" = test ]; then
+if [ "$2" = stamps ]; then
+  timeout 200 python3 -m pytest -q -n 4 tests/kernels/test_tq_gluon.py -k "stamps or (fused and 4bit)" \
+    -p no:cacheprovider > "$out/pytest_stamps.log" 2>&1; tail -3 "$out/pytest_stamps.log"
+  { timeout 150 python3 bench/probe_tq_stamps.py --contexts 4096,16384,131072 --batch 1 --runs 20 --out "$out/final_b1.json"
+    timeout 100 python3 bench/probe_tq_stamps.py --contexts 16384,131072 --batch 8 --runs 10 --out "$out/final_b8.json"
+    timeout 60 python3 bench/probe_tq_stamps.py --geometries llama-3.1-8b --formats turboquant_3bit_nc \
+      --contexts 131072 --batch 1 --runs 20 --out "$out/final_llama.json"; } > "$out/final.log" 2>&1
+  cat "$out/final.log"
+elif [ "$2" = raw ]; then
+  timeout 200 python3 bench/probe_tq_stamps.py --formats turboquant_4bit_nc --contexts 131072 --batch 1,8 --runs 4 --raw \
+    --out "$out/raw.json" 2>&1 | grep "graph call"
+elif [ "$2" = test ]; then
   timeout 240 python3 -m pytest -q tests/kernels/test_tq_gluon.py -k "per_warp or pages_one_tile" -p no:cacheprovider \
     > "$out/pytest.log" 2>&1; tail -5 "$out/pytest.log"
 elif [ "$2" = final ]; then

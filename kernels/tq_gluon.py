@@ -312,10 +312,40 @@ def _store_result(o, m, l, q_head, h_mask, offs_d, seq, split, num_splits, sinks
                  (o / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=h_mask[None, :])
 
 
+# Probe only (`STAMPS`, bench/probe_tq_stamps.py): the global nanosecond timer, read once its input is in the
+# register (the `and` makes the read wait for it; the 0 or 1 ns it adds is below the timer's resolution).
+_STAMP_ASM = gl.constexpr("{\n.reg .u64 t;\n.reg .b32 d;\nmov.u64 t, %globaltimer;\nand.b32 d, $1, 1;\n"
+                          "cvt.u64.u32 $0, d;\nadd.u64 $0, $0, t;\n}")
+STAMPS = ("entry", "seq_len", "first_tile", "query", "loop_end", "counted", "merged", "smid", "q_loaded",
+          "rot_loaded", "rotated", "q_operand")
+"""The slots of a program's row of `STAMPS_ROW` int64 (`tq_warp._tq_warp_kernel` with a `stamps` tensor; ns of
+%globaltimer, "smid" the SM's id): at entry; when seq_len had arrived; when the first tile's fields had arrived
+(read after the query's prologue, so that waiting for them does not delay it: the later of the two); when the
+query's scale was ready; after the loop and the 4 warps' merge; after the split's count (`_merge_if_last`'s
+atomic); after the split merge (its last program only, else 0); when the query had loaded and, with
+`TQGluonConfig.rotate_query`, when the rotation operand had loaded and when their product was ready; when the
+score MMA's query operand was ready. Each read waits for its tensor in every thread of the program (a CTA-wide
+max first: one barrier per stamp), so the stamped kernel is slower than the plain one (bench/NOTES_TQ.md,
+twenty-third session)."""
+STAMPS_ROW = 16
+
+
+@gluon.jit
+def _stamp(x, ptr, k: gl.constexpr):
+    """Write at ptr[k] the timer once every element of x (int32 or fp32) is in its thread's registers."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ready = gl.max(x.to(gl.int32, bitcast=True), axis=None)  # every thread waits for all of x
+    t = gl.inline_asm_elementwise(_STAMP_ASM, "=l,r", [gl.full([128], 0, gl.int32, one) + ready], dtype=gl.int64,
+                                  is_pure=False, pack=1)
+    lane = gl.arange(0, 128, layout=one)
+    gl.store(ptr + k + lane * 0, t, mask=lane == 0)
+
+
 @gluon.jit
 def _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq, kvh, num_splits, stride_ob,
                    stride_oh, NUM_KV: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr, HAS_SINKS: gl.constexpr):
+                   S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr, HAS_SINKS: gl.constexpr, stamp_ptr=None,
+                   STAMPS: gl.constexpr = False):
     """The split merge in the decode kernel (`TQGluonConfig.fused_merge`), after `_store_result` wrote this
     program's partials: each split of a (sequence, KV head) counts itself in `cnt_ptr` (`arrival_counters`), and
     the last to arrive merges the GQA group's `num_splits` (<= S_BLOCK) partials, S_CHUNK splits at a time with
@@ -326,6 +356,8 @@ def _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq,
     gl.thread_barrier()
     cnt = cnt_ptr + seq * NUM_KV + kvh
     arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if STAMPS:
+        _stamp(gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0])) + arrived, stamp_ptr, 5)
     if arrived == num_splits - 1:
         # [splits, heads, D]: each thread 4 consecutive dims (16-byte loads) of one head, every split of a chunk
         L: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32 // (HEAD_DIM // 4), HEAD_DIM // 4], [1, 4, 1],
@@ -367,6 +399,8 @@ def _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq,
         gl.store(out_ptr + seq * stride_ob + (q_head * stride_oh)[:, None] + offs_d[None, :],
                  (o / d[:, None]).to(out_ptr.dtype.element_ty), mask=(q_head < (kvh + 1) * GROUP)[:, None])
         gl.store(cnt, 0)
+        if STAMPS:
+            _stamp(o, stamp_ptr, 6)
 
 
 @gluon.jit

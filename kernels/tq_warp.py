@@ -62,6 +62,7 @@ from kvpolicy.kernels.tq_gluon import (
     Q_LO_INT,
     _kernel_table,
     _merge_if_last,
+    _stamp,
     _store_result,
     _word_bytes,
     arrival_counters,
@@ -598,7 +599,7 @@ def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
 
 @gluon.jit
 def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROUP: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, q_layout: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, q_layout: gl.constexpr, stamp_ptr, STAMPS: gl.constexpr):
     """(q x q_scale in fp16) @ Pi^T sqrt(D) / D in the score MMA's K order, for the GQA group's heads
     [8, D] in `q_layout` (`TQGluonConfig.rotate_query`): `tq_decode._tq_rotate_query_kernel`'s product by
     mma.sync in the prologue, without its fp16 rounding of the result. `rot_ptr` is `rotation_operand`: the
@@ -615,7 +616,12 @@ def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROU
     kk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, bl))
     jj = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, bl))
     b = gl.load(rot_ptr + jj[None, :] * HEAD_DIM + kk[:, None])
+    if STAMPS:
+        _stamp(a.to(gl.float32), stamp_ptr, 8)
+        _stamp(b.to(gl.float32), stamp_ptr, 9)
     x = mma_v2(a, b, gl.zeros([16, HEAD_DIM], gl.float32, rl)) * (1.0 / HEAD_DIM)
+    if STAMPS:
+        _stamp(x, stamp_ptr, 10)
     # rows 0-7 (the heads; 8-15 are the M padding): the row's bit 3 is a register bit of the accumulator
     x, _ = gl.split(gl.permute(gl.reshape(x, [2, 8, HEAD_DIM]), (1, 2, 0)))
     return gl.convert_layout(x, q_layout)
@@ -624,7 +630,7 @@ def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROU
 @gluon.jit
 def _tq_warp_kernel(
     q_ptr, order_ptr, rot_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
-    part_out_ptr, part_lse_ptr, cnt_ptr, q_scale, window, num_splits,
+    part_out_ptr, part_lse_ptr, cnt_ptr, stamp_ptr, q_scale, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
@@ -634,12 +640,22 @@ def _tq_warp_kernel(
     MMA_SUMS: gl.constexpr, FW: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr,
     UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, ROTATE: gl.constexpr, OFF32: gl.constexpr,
-    FUSED: gl.constexpr, S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr,
+    FUSED: gl.constexpr, S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr, STAMPS: gl.constexpr,
 ):
     kvh = gl.program_id(0)
     split = gl.program_id(1)
     seq = gl.program_id(2)
+    if STAMPS:  # probe only: `tq_gluon.STAMPS`
+        stamp_ptr += ((seq * num_splits + split) * NUM_KV + kvh) * 16  # `tq_gluon.STAMPS_ROW`
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        _stamp(gl.full([128], 0, gl.int32, one), stamp_ptr, 0)
+        smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [gl.full([128], 0, gl.int32, one)],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+        gl.store(stamp_ptr + 7 + gl.arange(0, 128, layout=one) * 0, smid.to(gl.int64),
+                 mask=gl.arange(0, 128, layout=one) == 0)
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
+    if STAMPS:
+        _stamp(gl.full([128], 0, gl.int32, one) + seq_len, stamp_ptr, 1)
     ROWL: gl.constexpr = gl.SliceLayout(2, XL)
     PPW: gl.constexpr = BN // 64  # `pages_per_warp`
 
@@ -659,12 +675,15 @@ def _tq_warp_kernel(
     # mma.sync A operand [4, 16, D] (every warp the whole query; once per program).
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
     if ROTATE:
-        q = _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, q_layout)
+        q = _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, q_layout,
+                           stamp_ptr, STAMPS)
     else:
         offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
         order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
         q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
                     mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32) * q_scale
+        if STAMPS:
+            _stamp(q, stamp_ptr, 8)
     amax = gl.max(gl.abs(q), 1)
     step = gl.where(amax > 0.0, amax / 127.0, 1.0)
     x = q / step[:, None]
@@ -681,6 +700,10 @@ def _tq_warp_kernel(
         qc = gl.convert_layout(I8_OFFSET * gl.sum(hi * Q_LO + lo, 1), gl.SliceLayout(0, ROWL))
     else:
         qc = None
+    if STAMPS:  # after the prologue, so that waiting for the first tile's bytes does not delay it
+        _stamp(q3.to(gl.int32), stamp_ptr, 11)
+        _stamp(qf, stamp_ptr, 3)
+        _stamp(knorm, stamp_ptr, 2)
 
     m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
     # per-thread softmax sums (and of P x zero point)
@@ -775,11 +798,13 @@ def _tq_warp_kernel(
     l_o = gl.convert_layout(l_i, gl.SliceLayout(0, out_l))
     z_o = gl.convert_layout(z_i, gl.SliceLayout(0, out_l))
     o = o * unit[:, None] + z_o[None, :]
+    if STAMPS:
+        _stamp(o, stamp_ptr, 4)
     _store_result(o, m_o, l_o, q_head, h_mask, offs_d, seq, split, num_splits, sinks_ptr, out_ptr, part_out_ptr,
                   part_lse_ptr, stride_ob, stride_oh, NUM_KV, GROUP, HEAD_DIM, HAS_SINKS, IS_SPLIT)
     if FUSED:
         _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq, kvh, num_splits, stride_ob,
-                       stride_oh, NUM_KV, GROUP, HEAD_DIM, S_BLOCK, S_CHUNK, HAS_SINKS)
+                       stride_oh, NUM_KV, GROUP, HEAD_DIM, S_BLOCK, S_CHUNK, HAS_SINKS, stamp_ptr, STAMPS)
 
 
 FORMATS = WARP_ORDER_FORMATS
@@ -819,11 +844,14 @@ def merge_blocks(splits: int, head_dim: int) -> dict:
 
 def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
-                   sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg) -> torch.Tensor:
+                   sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg,
+                   stamps: torch.Tensor | None = None) -> torch.Tensor:
     """Run the kernel (and, when split without `cfg.fused_merge` or past `MAX_FUSED_SPLITS` splits, the shared
     merge kernel); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
     `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages, unroll, mma_sums, rotate_query: then
-    `q16` is the query itself and `q_scale` the softmax scale x log2(e), and the kernel rotates it)."""
+    `q16` is the query itself and `q_scale` the softmax scale x log2(e), and the kernel rotates it). `stamps`
+    (probe only, bench/probe_tq_stamps.py): int64 [programs, `tq_gluon.STAMPS_ROW`], zeroed, program
+    (seq, split, kv head) at row (seq x splits + split) x kv heads + kv head, receives `tq_gluon.STAMPS`."""
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
     from kvpolicy.kernels.tq_gluon import TQGluonConfig
 
@@ -845,12 +873,13 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     _tq_warp_kernel[(num_kv_heads, splits, batch)](
         q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
         sinks if sinks is not None else seq_lens, out, part_out, part_lse,
-        counters if counters is not None else seq_lens, float(q_scale), int(sliding_window or 0),
-        splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
+        counters if counters is not None else seq_lens, stamps if stamps is not None else seq_lens, float(q_scale),
+        int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and (splits == 1 or counters is not None), IS_SPLIT=splits > 1,
         ROTATE=cfg.rotate_query, OFF32=cache.nbytes // 4 < 2**31, FUSED=counters is not None,
+        STAMPS=stamps is not None,
         **merge_blocks(splits if counters is not None else 1, head_dim), num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1 and counters is None:

@@ -5,6 +5,7 @@ Hopper GPU. Gluon does not run under the Triton interpreter: on the CPU only the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -262,6 +263,60 @@ def test_per_warp_fused_merge_replays_in_a_cuda_graph(fmt: str, device: str, mon
     torch.cuda.synchronize()
     assert not tq_gluon._ARRIVALS, "counters allocated inside a capture"
     assert _rel(cold.double(), eager.double()) <= 1e-5
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("d, hq", [(64, 64), (128, 32)])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_per_warp_stamps_are_ordered_and_leave_the_output(fmt: str, d: int, hq: int, rotate: bool,
+                                                          device: str) -> None:
+    """bench/probe_tq_stamps.py's timeline (`tq_gluon.STAMPS`): the stamped kernel writes the plain kernel's output
+    bit for bit; in every program the points come in the kernel's order (entry, seq_len, query loads, product,
+    MMA operand, scale, first tile, loop end, count); exactly one program of each (sequence, KV head) merges,
+    after every program of its group ended its loop; the SM ids are the GPU's."""
+    from kvpolicy.kernels import tq_gluon
+    from kvpolicy.kernels.tq_decode import LOG2E, _rotated_query
+    from kvpolicy.kernels.tq_warp import decode_tq_warp
+    from kvpolicy.kernels.turboquant import planar_from_slots
+    from test_tq_decode import _paged
+
+    seq = (3000, 1025, 17)
+    splits, hkv = 5, 8
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    cache, tables = _paged(fmt, [torch.randn(n, hkv, d) for n in seq], [torch.randn(n, hkv, d) for n in seq],
+                           seq_lens, 16, device)
+    cache, seq_lens = planar_from_slots(cache, fmt, d).to(device), seq_lens.to(device)
+    query = torch.randn(len(seq), hq, d, device=device)
+    sinks = torch.randn(hq, device=device)
+    cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), rotate_query=rotate, fused_merge=True)
+    scale = d ** -0.5
+    q16, q_scale = (query, scale * LOG2E) if rotate else (_rotated_query(query, fmt, hkv, scale), 1.0)
+    stamps = torch.zeros(len(seq) * splits * hkv, tq_gluon.STAMPS_ROW, dtype=torch.int64, device=device)
+
+    def call(st):
+        return decode_tq_warp(query, q16, q_scale, cache, fmt, tables, seq_lens, sliding_window=None, sinks=sinks,
+                              splits=splits, out=torch.empty_like(query), cfg=cfg, stamps=st).clone()
+
+    plain = call(None)
+    assert torch.equal(call(stamps), plain)
+    at = {n: stamps[:, i].cpu() for i, n in enumerate(tq_gluon.STAMPS)}
+    order = ["entry", "seq_len", "q_loaded"] + (["rot_loaded", "rotated"] if rotate else []) + [
+        "q_operand", "query", "first_tile", "loop_end", "counted"]
+    assert (at["entry"] > 0).all()
+    for a, b in itertools.pairwise(order):
+        assert (at[a] <= at[b]).all(), f"{a} after {b}"
+    groups = {}
+    for row in range(stamps.shape[0]):  # row (seq x splits + split) x hkv + kvh
+        groups.setdefault((row // (splits * hkv), row % hkv), []).append(row)
+    for rows in groups.values():
+        merged = [r for r in rows if at["merged"][r] > 0]
+        assert len(merged) == 1, "one merge per (sequence, KV head)"
+        # every split's loop ended (and stored its partial) before the merging program counted last
+        assert at["merged"][merged[0]] >= max(at["loop_end"][r] for r in rows)
+        assert at["merged"][merged[0]] >= at["counted"][merged[0]]
+    assert (at["smid"] < torch.cuda.get_device_properties(device).multi_processor_count).all()
 
 
 @pytest.mark.gpu

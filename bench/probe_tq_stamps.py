@@ -60,7 +60,8 @@ def _summary(stamps: torch.Tensor, num_sms: int) -> dict:
     ready = torch.maximum(at["first_tile"], at["query"])
     out["span prologue"] = float((ready - at["entry"]).median())
     out["span loop"] = float((at["loop_end"] - ready).median())
-    out["span count"] = float((at["counted"] - at["loop_end"]).median())
+    if (at["counted"] >= 0).all():  # every program counted: the split merge was in the kernel
+        out["span count"] = float((at["counted"] - at["loop_end"]).median())
     sm = stamps[:, tg.STAMPS.index("smid")]
     counts = torch.bincount(sm)[sm]
     for k in (1, 2):

@@ -321,12 +321,12 @@ STAMPS = ("entry", "seq_len", "first_tile", "query", "loop_end", "counted", "mer
 """The slots of a program's row of `STAMPS_ROW` int64 (`tq_warp._tq_warp_kernel` with a `stamps` tensor; ns of
 %globaltimer, "smid" the SM's id): at entry; when seq_len had arrived; when the first tile's fields had arrived
 (read after the query's prologue, so that waiting for them does not delay it: the later of the two); when the
-query's scale was ready; after the loop and the 4 warps' merge; after the split's count (`_merge_if_last`'s
-atomic); after the split merge (its last program only, else 0); when the query had loaded and, with
-`TQGluonConfig.rotate_query`, when the rotation operand had loaded and when their product was ready; when the
-score MMA's query operand was ready. Each read waits for its tensor in every thread of the program (a CTA-wide
-max first: one barrier per stamp), so the stamped kernel is slower than the plain one (bench/NOTES_TQ.md,
-twenty-third session)."""
+query's scale was ready; after the loop and the 4 warps' merge; after the split's count (`_merge_if_last`'s atomic)
+and after the split merge (its last program only; both 0 without `TQGluonConfig.fused_merge`); when the query had
+loaded and, with `TQGluonConfig.rotate_query`, when the rotation operand had loaded and when their product was
+ready; when the score MMA's query operand was ready. Each read waits for its tensor in every thread of the program
+(a CTA-wide max first: one barrier per stamp), so the stamped kernel is slower than the plain one
+(bench/NOTES_TQ.md, twenty-third session)."""
 STAMPS_ROW = 16
 
 

@@ -100,13 +100,14 @@ def measure(gname: str, batch: int, ctx: int, fmt: str, runs: int, rotate: bool,
     with _config(rotate_query=rotate, **(fields or {})):  # the same config without stamps: the same output
         plain = decode_attention_tq(q, cache, tables[0], sl, fmt, sinks=sinks, kernel="gluon").clone()
     err = float((stamped(0).float() - plain.float()).abs().max())
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     per_run = []
     for r in range(runs + 2):
         stamps.zero_()
         stamped(r % copies)
         torch.cuda.synchronize()
         if r >= 2:  # the first two: compile and first touch
-            per_run.append(_summary(stamps.cpu(), torch.cuda.get_device_properties(dev).multi_processor_count))
+            per_run.append(_summary(stamps.cpu(), num_sms))
     res = {k: statistics.median(p[k] for p in per_run) for k in per_run[0]}
     # the timer's step: the smallest gap between two distinct stamps of the last run (bit 0 is the read's +0/1)
     e = stamps[:, [i for i, n in enumerate(tg.STAMPS) if n != "smid"]].flatten()

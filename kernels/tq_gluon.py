@@ -330,15 +330,31 @@ ready; when the score MMA's query operand was ready. Each read waits for its ten
 STAMPS_ROW = 16
 
 
+_LANES = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+"""One value per thread of a 4-warp program: the stamps' scalars."""
+
+
 @gluon.jit
 def _stamp(x, ptr, k: gl.constexpr):
     """Write at ptr[k] the timer once every element of x (int32 or fp32) is in its thread's registers."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    lane = gl.arange(0, 128, layout=_LANES)
     ready = gl.max(x.to(gl.int32, bitcast=True), axis=None)  # every thread waits for all of x
-    t = gl.inline_asm_elementwise(_STAMP_ASM, "=l,r", [gl.full([128], 0, gl.int32, one) + ready], dtype=gl.int64,
-                                  is_pure=False, pack=1)
-    lane = gl.arange(0, 128, layout=one)
+    t = gl.inline_asm_elementwise(_STAMP_ASM, "=l,r", [lane * 0 + ready], dtype=gl.int64, is_pure=False, pack=1)
     gl.store(ptr + k + lane * 0, t, mask=lane == 0)
+
+
+@gluon.jit
+def _stamp_scalar(v, ptr, k: gl.constexpr):
+    """`_stamp` of the int32 scalar v (every thread's copy)."""
+    _stamp(gl.arange(0, 128, layout=_LANES) * 0 + v, ptr, k)
+
+
+@gluon.jit
+def _stamp_sm(ptr, k: gl.constexpr):
+    """Write at ptr[k] the id of the SM the program runs on."""
+    lane = gl.arange(0, 128, layout=_LANES)
+    smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [lane], dtype=gl.int32, is_pure=True, pack=1)
+    gl.store(ptr + k + lane * 0, smid.to(gl.int64), mask=lane == 0)
 
 
 @gluon.jit
@@ -357,7 +373,7 @@ def _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq,
     cnt = cnt_ptr + seq * NUM_KV + kvh
     arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
     if STAMPS:
-        _stamp(gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0])) + arrived, stamp_ptr, 5)
+        _stamp_scalar(arrived, stamp_ptr, 5)
     if arrived == num_splits - 1:
         # [splits, heads, D]: each thread 4 consecutive dims (16-byte loads) of one head, every split of a chunk
         L: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32 // (HEAD_DIM // 4), HEAD_DIM // 4], [1, 4, 1],

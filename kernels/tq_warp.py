@@ -63,6 +63,8 @@ from kvpolicy.kernels.tq_gluon import (
     _kernel_table,
     _merge_if_last,
     _stamp,
+    _stamp_scalar,
+    _stamp_sm,
     _store_result,
     _word_bytes,
     arrival_counters,
@@ -647,15 +649,11 @@ def _tq_warp_kernel(
     seq = gl.program_id(2)
     if STAMPS:  # probe only: `tq_gluon.STAMPS`
         stamp_ptr += ((seq * num_splits + split) * NUM_KV + kvh) * 16  # `tq_gluon.STAMPS_ROW`
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        _stamp(gl.full([128], 0, gl.int32, one), stamp_ptr, 0)
-        smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [gl.full([128], 0, gl.int32, one)],
-                                         dtype=gl.int32, is_pure=True, pack=1)
-        gl.store(stamp_ptr + 7 + gl.arange(0, 128, layout=one) * 0, smid.to(gl.int64),
-                 mask=gl.arange(0, 128, layout=one) == 0)
+        _stamp_scalar(0, stamp_ptr, 0)
+        _stamp_sm(stamp_ptr, 7)
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
     if STAMPS:
-        _stamp(gl.full([128], 0, gl.int32, one) + seq_len, stamp_ptr, 1)
+        _stamp_scalar(seq_len, stamp_ptr, 1)
     ROWL: gl.constexpr = gl.SliceLayout(2, XL)
     PPW: gl.constexpr = BN // 64  # `pages_per_warp`
 

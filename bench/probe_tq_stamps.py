@@ -121,14 +121,17 @@ def measure(gname: str, batch: int, ctx: int, fmt: str, runs: int, rotate: bool,
             "config": dict(fields or {}), "splits": splits, "programs": programs, "copies": copies,
             "bytes": kv_bytes(row, geom, batch, ctx), "max_abs_diff_vs_plain": err, "timer_step_ns": step,
             "graph_call_us": graph_us, "us": res,
-            **({"last_run": stamps.cpu().tolist(), "last_run_rows": "(seq x splits + split) x kv heads + kv head"}
+            **({"last_run": stamps.cpu().tolist(), "last_run_rows": "linear block id"}
                if raw else {})}
 
 
-def _field(text: str) -> tuple[str, bool | int]:
-    """'name' (turned on) or 'name=N' (an int): one TQGluonConfig field of a variant."""
+def _field(text: str) -> tuple[str, bool | int | float]:
+    """'name' (turned on) or 'name=N' (an int, or a float where it has a point): one TQGluonConfig field of a
+    variant."""
     name, _, value = text.partition("=")
-    return name, int(value) if value else True
+    if not value:
+        return name, True
+    return name, float(value) if "." in value else int(value)
 
 
 def _name(fields: dict) -> str:

@@ -85,7 +85,8 @@ def compile_tq(fmt: str, head_dim: int, block_n: int, num_warps: int, num_stages
 def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bool = True,
                      maxnreg: int | None = None, per_warp: bool = False, pages_ahead: int = 2, sum_pages: bool = False,
                      unroll: bool = False, mma_sums: bool = False, rotate: bool = False,
-                     off32: bool = True, fused_splits: int = 0, stamps: bool = False):
+                     off32: bool = True, fused_splits: int = 0, stamps: bool = False,
+                     first_wave: float = 1.0):
     """The Gluon TurboQuant kernel (kernels/tq_gluon.py; per_warp: kernels/tq_warp.py, 1, 2 or 4 pages per warp
     for block_n 64, 128 or 256) for `fmt`, 8 KV heads, planar pages, split, no sinks; fused_splits: the split
     merge in the kernel for that many splits (`TQGluonConfig.fused_merge`); stamps: the probe's timer reads
@@ -105,6 +106,7 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
     if per_warp:
         constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n, sum_pages, mma_sums))
         constexprs.update(UNROLL=unroll, ROTATE=rotate, OFF32=off32, FUSED=fused_splits > 1, STAMPS=stamps,
+                          **dict(zip(("WAVE_W1", "WAVE_W2"), tw.split_weights(first_wave))),
                           **tw.merge_blocks(max(fused_splits, 1), head_dim))
     pointers = {"q_ptr": "*bf16" if rotate else "*fp16", "order_ptr": "*i32", "rot_ptr": "*fp16", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
@@ -228,6 +230,8 @@ def main() -> None:
     ap.add_argument("--rotate", action="store_true", help="per-warp kernel: TQGluonConfig.rotate_query")
     ap.add_argument("--fused-splits", type=int, default=0,
                     help="per-warp kernel: the split merge in the kernel (TQGluonConfig.fused_merge) for N splits")
+    ap.add_argument("--first-wave", type=float, default=1.0,
+                    help="per-warp kernel: TQGluonConfig.first_wave_weight (weighted splits, split-major grid)")
     ap.add_argument("--stamps", action="store_true", help="per-warp kernel: the probe's timer reads (tq_gluon.STAMPS)")
     ap.add_argument("--off64", action="store_true", help="per-warp kernel: 64-bit page offsets (caches of 8 GiB or more)")
     ap.add_argument("--pages-ahead", type=int, default=2, help="Gluon TurboQuant: TQGluonConfig.pages_ahead")
@@ -239,7 +243,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.tq_gluon:
         k = compile_tq_gluon(a.tq_gluon, a.head_dim, a.block_n, a.group, not a.exact_max, a.maxnreg, a.per_warp, a.pages_ahead,
-                             a.sum_pages, a.unroll, a.mma_sums, a.rotate, not a.off64, a.fused_splits, a.stamps)
+                             a.sum_pages, a.unroll, a.mma_sums, a.rotate, not a.off64, a.fused_splits, a.stamps,
+                             a.first_wave)
     elif a.tq:
         k = compile_tq(a.tq, a.head_dim, a.block_n, a.num_warps, a.num_stages, a.group, a.prefetch, a.maxnreg, a.slot)
     else:

@@ -534,6 +534,10 @@ class TQGluonConfig:
     """Per-warp kernel, split calls of up to `MAX_FUSED_SPLITS` splits: the last split of each (sequence, KV
     head) to finish merges the partials itself (`_merge_if_last`) instead of a merge kernel after the grid:
     one launch less per decode step."""
+    first_wave_weight: float = 1.0
+    """Per-warp kernel: the splits that start first on their SM take this many times the tiles of the others
+    (`tq_warp._weighted_tiles`, on a split-major grid). The warp schedulers favour the older program's warps, so
+    with 2 programs per SM the second one ends last (bench/NOTES_TQ.md, twenty-third session); 1: equal splits."""
 
 
 MAX_FUSED_SPLITS = 32

@@ -630,9 +630,23 @@ def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROU
 
 
 @gluon.jit
+def _weighted_tiles(first_tile, end_tile, split, num_splits, group, num_groups, num_sms, W1: gl.constexpr,
+                    W2: gl.constexpr):
+    """[tile_lo, tile_hi) of `split` when the group's tiles [first_tile, end_tile) are cut by weight: W1 for the
+    splits that start first on their SM (linear block id group + num_groups x split below `num_sms`: a prefix
+    of each group's splits in the split-major grid), W2 for the others (`split_weights`)."""
+    k = gl.minimum(gl.maximum((num_sms - group + num_groups - 1) // num_groups, 0), num_splits)
+    total = W1 * k + W2 * (num_splits - k)
+    lo = W1 * gl.minimum(split, k) + W2 * gl.maximum(split - k, 0)
+    hi = W1 * gl.minimum(split + 1, k) + W2 * gl.maximum(split + 1 - k, 0)
+    n = end_tile - first_tile
+    return first_tile + (n * lo) // total, first_tile + (n * hi) // total
+
+
+@gluon.jit
 def _tq_warp_kernel(
     q_ptr, order_ptr, rot_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
-    part_out_ptr, part_lse_ptr, cnt_ptr, stamp_ptr, q_scale, window, num_splits,
+    part_out_ptr, part_lse_ptr, cnt_ptr, stamp_ptr, q_scale, window, num_splits, num_sms,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
@@ -643,15 +657,28 @@ def _tq_warp_kernel(
     UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, ROTATE: gl.constexpr, OFF32: gl.constexpr,
     FUSED: gl.constexpr, S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr, STAMPS: gl.constexpr,
+    WAVE_W1: gl.constexpr, WAVE_W2: gl.constexpr,
 ):
-    kvh = gl.program_id(0)
-    split = gl.program_id(1)
-    seq = gl.program_id(2)
-    if STAMPS:  # probe only: `tq_gluon.STAMPS`
-        stamp_ptr += ((seq * num_splits + split) * NUM_KV + kvh) * 16  # `tq_gluon.STAMPS_ROW`
+    if WAVE_W1 > 0:
+        # split-major grid (sequence x KV head, split): the first `num_sms` programs, one to each SM, are the low
+        # splits of every group (`split_weights`)
+        group = gl.program_id(0)
+        kvh = group % NUM_KV
+        seq = group // NUM_KV
+        split = gl.program_id(1)
+    else:
+        kvh = gl.program_id(0)
+        split = gl.program_id(1)
+        seq = gl.program_id(2)
+    if STAMPS:  # probe only: `tq_gluon.STAMPS`; row = the linear block id
+        stamp_ptr += (gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
+                                                               * gl.program_id(2))) * 16  # `tq_gluon.STAMPS_ROW`
         _stamp_scalar(0, stamp_ptr, 0)
         _stamp_sm(stamp_ptr, 7)
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
+    if WAVE_W1 > 0:
+        tile_lo, tile_hi = _weighted_tiles(start // BN, (seq_len + BN - 1) // BN, split, num_splits, group,
+                                           gl.num_programs(0), num_sms, WAVE_W1, WAVE_W2)
     if STAMPS:
         _stamp_scalar(seq_len, stamp_ptr, 1)
     ROWL: gl.constexpr = gl.SliceLayout(2, XL)
@@ -840,6 +867,35 @@ def merge_blocks(splits: int, head_dim: int) -> dict:
     return {"S_BLOCK": s_block, "S_CHUNK": min(s_block, 4096 // head_dim)}
 
 
+WAVE_UNIT = 16
+"""`split_weights`' denominator: first-wave weights in steps of 1/16."""
+
+
+def split_weights(first_wave_weight: float) -> tuple[int, int]:
+    """(W1, W2) of `_weighted_tiles` for `TQGluonConfig.first_wave_weight` r: r in sixteenths against 16; (0, 0)
+    for r = 1 (equal splits, the (KV head, split, sequence) grid)."""
+    if not 0.5 <= first_wave_weight <= 4.0:
+        raise ValueError(f"TQGluonConfig.first_wave_weight must be in [0.5, 4], got {first_wave_weight}")
+    w1 = round(first_wave_weight * WAVE_UNIT)
+    return (0, 0) if w1 == WAVE_UNIT else (w1, WAVE_UNIT)
+
+
+def weighted_tiles(first_tile: int, end_tile: int, split: int, num_splits: int, group: int, num_groups: int,
+                   num_sms: int, w1: int, w2: int) -> tuple[int, int]:
+    """`_weighted_tiles` on the host (its tests)."""
+    k = min(max((num_sms - group + num_groups - 1) // num_groups, 0), num_splits)
+    total = w1 * k + w2 * (num_splits - k)
+    lo = w1 * min(split, k) + w2 * max(split - k, 0)
+    hi = w1 * min(split + 1, k) + w2 * max(split + 1 - k, 0)
+    n = end_tile - first_tile
+    return first_tile + n * lo // total, first_tile + n * hi // total
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
                    sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg,
@@ -848,8 +904,9 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     merge kernel); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
     `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages, unroll, mma_sums, rotate_query: then
     `q16` is the query itself and `q_scale` the softmax scale x log2(e), and the kernel rotates it). `stamps`
-    (probe only, bench/probe_tq_stamps.py): int64 [programs, `tq_gluon.STAMPS_ROW`], zeroed, program
-    (seq, split, kv head) at row (seq x splits + split) x kv heads + kv head, receives `tq_gluon.STAMPS`."""
+    (probe only, bench/probe_tq_stamps.py): int64 [programs, `tq_gluon.STAMPS_ROW`], zeroed; each program's
+    `tq_gluon.STAMPS` at the row of its linear block id (grid (kv heads, splits, batch), or with
+    `first_wave_weight` (batch x kv heads, splits))."""
     from kvpolicy.kernels.decode_attention import launch_merge, split_partials
     from kvpolicy.kernels.tq_gluon import TQGluonConfig
 
@@ -868,16 +925,18 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     counters = None
     if cfg.fused_merge and 1 < splits <= MAX_FUSED_SPLITS:
         counters = arrival_counters(cache.device, batch * num_kv_heads)
-    _tq_warp_kernel[(num_kv_heads, splits, batch)](
+    w1, w2 = split_weights(cfg.first_wave_weight)
+    grid = (batch * num_kv_heads, splits) if w1 else (num_kv_heads, splits, batch)
+    _tq_warp_kernel[grid](
         q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
         sinks if sinks is not None else seq_lens, out, part_out, part_lse,
         counters if counters is not None else seq_lens, stamps if stamps is not None else seq_lens, float(q_scale),
-        int(sliding_window or 0), splits, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
+        int(sliding_window or 0), splits, _num_sms(cache.device) if w1 else 0, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and (splits == 1 or counters is not None), IS_SPLIT=splits > 1,
         ROTATE=cfg.rotate_query, OFF32=cache.nbytes // 4 < 2**31, FUSED=counters is not None,
-        STAMPS=stamps is not None,
+        STAMPS=stamps is not None, WAVE_W1=w1, WAVE_W2=w2,
         **merge_blocks(splits if counters is not None else 1, head_dim), num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if splits > 1 and counters is None:

@@ -267,10 +267,28 @@ def test_per_warp_fused_merge_replays_in_a_cuda_graph(fmt: str, device: str, mon
 
 @pytest.mark.gpu
 @hopper_only
+@pytest.mark.parametrize("fmt", WARP_ORDER_FORMATS)
+@pytest.mark.parametrize("d, hq", SHAPES)
+@pytest.mark.parametrize("window, sinks, splits", CASES + [(None, False, 40)])
+@pytest.mark.parametrize("weight", [1.25, 2.0])
+def test_per_warp_first_wave_weights_match_reference(fmt: str, d: int, hq: int, window, sinks: bool, splits,
+                                                     weight: float, device: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TQGluonConfig.first_wave_weight`: the split-major grid and splits cut by weight, with an SM count of 20
+    (so that most groups have splits of both waves), windows, sinks and 40 splits of 1025 tokens (empty splits)."""
+    from kvpolicy.kernels import tq_gluon, tq_warp
+
+    monkeypatch.setattr(tq_warp, "_num_sms", lambda device: 20)
+    cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), first_wave_weight=weight)
+    _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
+
+
+@pytest.mark.gpu
+@hopper_only
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("d, hq", [(64, 64), (128, 32)])
-@pytest.mark.parametrize("rotate", [True, False])
-def test_per_warp_stamps_are_ordered_and_leave_the_output(fmt: str, d: int, hq: int, rotate: bool,
+@pytest.mark.parametrize("rotate, first_wave", [(True, 1.0), (False, 1.0), (True, 1.25)])
+def test_per_warp_stamps_are_ordered_and_leave_the_output(fmt: str, d: int, hq: int, rotate: bool, first_wave: float,
                                                           device: str) -> None:
     """bench/probe_tq_stamps.py's timeline (`tq_gluon.STAMPS`): the stamped kernel writes the plain kernel's output
     bit for bit; in every program the points come in the kernel's order (entry, seq_len, query loads, product,
@@ -290,7 +308,8 @@ def test_per_warp_stamps_are_ordered_and_leave_the_output(fmt: str, d: int, hq: 
     cache, seq_lens = planar_from_slots(cache, fmt, d).to(device), seq_lens.to(device)
     query = torch.randn(len(seq), hq, d, device=device)
     sinks = torch.randn(hq, device=device)
-    cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), rotate_query=rotate, fused_merge=True)
+    cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), rotate_query=rotate, fused_merge=True,
+                              first_wave_weight=first_wave)
     scale = d ** -0.5
     q16, q_scale = (query, scale * LOG2E) if rotate else (_rotated_query(query, fmt, hkv, scale), 1.0)
     stamps = torch.zeros(len(seq) * splits * hkv, tq_gluon.STAMPS_ROW, dtype=torch.int64, device=device)
@@ -308,8 +327,9 @@ def test_per_warp_stamps_are_ordered_and_leave_the_output(fmt: str, d: int, hq: 
     for a, b in itertools.pairwise(order):
         assert (at[a] <= at[b]).all(), f"{a} after {b}"
     groups = {}
-    for row in range(stamps.shape[0]):  # row (seq x splits + split) x hkv + kvh
-        groups.setdefault((row // (splits * hkv), row % hkv), []).append(row)
+    for row in range(stamps.shape[0]):  # the linear block id: grid (hkv, splits, seq), or (seq x hkv, splits)
+        groups.setdefault(row % (len(seq) * hkv) if first_wave != 1.0 else (row // (splits * hkv), row % hkv),
+                          []).append(row)
     for rows in groups.values():
         merged = [r for r in rows if at["merged"][r] > 0]
         assert len(merged) == 1, "one merge per (sequence, KV head)"

@@ -5,6 +5,8 @@ must hold; the kernel itself is tested on the GPU (test_tq_gluon.py -k per_warp)
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from kvpolicy.kernels.tq_reference import _pack_codes, emulate_ptx
@@ -13,10 +15,12 @@ from kvpolicy.kernels.tq_warp import (
     dim_of_row,
     pages_per_warp,
     rotation_operand,
+    split_weights,
     v3_word_program,
     v_word_program,
     value_axes,
     value_unit,
+    weighted_tiles,
 )
 from kvpolicy.kernels.turboquant import warp_plane_order
 
@@ -207,3 +211,32 @@ def test_rotation_operand_gives_the_rotated_query_in_the_score_order(fmt: str, d
     want = (q @ hadamard_rotation(d).T * d**0.5)[:, query_order(fmt, d)]
     torch.testing.assert_close(q @ op.double().T, want, rtol=0, atol=1e-9)
 
+
+
+@pytest.mark.parametrize("n, splits, groups, num_sms", [
+    (512, 32, 8, 132), (4096, 4, 64, 132), (17, 32, 8, 132), (5, 40, 4, 20), (1000, 7, 3, 10), (64, 4, 64, 300)])
+@pytest.mark.parametrize("weight", [1.0625, 1.25, 2.0])
+def test_weighted_tiles_cut_each_group_whole_and_favour_the_first_wave(n: int, splits: int, groups: int,
+                                                                       num_sms: int, weight: float) -> None:
+    """`first_wave_weight`'s split ranges (`weighted_tiles`, the host copy of the kernel's `_weighted_tiles`): in
+    every group they tile [first, first + n) in order without gap or overlap; a split whose linear block id
+    (group + groups x split) is below the SM count gets its weight's share, the others theirs, each within one
+    tile; where every split is in the first wave the cut is even."""
+    w1, w2 = split_weights(weight)
+    first = 3
+    for g in range(groups):
+        ranges = [weighted_tiles(first, first + n, s, splits, g, groups, num_sms, w1, w2) for s in range(splits)]
+        assert ranges[0][0] == first and ranges[-1][1] == first + n
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        weights = [w1 if g + groups * s < num_sms else w2 for s in range(splits)]
+        for (lo, hi), w in zip(ranges, weights):
+            assert abs((hi - lo) - n * w / sum(weights)) < 1 + 1e-9
+        if all(w == w1 for w in weights):
+            assert max(hi - lo for lo, hi in ranges) - min(hi - lo for lo, hi in ranges) <= 1
+
+
+def test_split_weights_are_sixteenths_and_one_means_the_plain_grid() -> None:
+    assert split_weights(1.0) == (0, 0)
+    assert split_weights(1.25) == (20, 16)
+    with pytest.raises(ValueError, match="first_wave_weight"):
+        split_weights(0.0)

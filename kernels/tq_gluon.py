@@ -538,6 +538,10 @@ class TQGluonConfig:
     """Per-warp kernel: the splits that start first on their SM take this many times the tiles of the others
     (`tq_warp._weighted_tiles`, on a split-major grid). The warp schedulers favour the older program's warps, so
     with 2 programs per SM the second one ends last (bench/NOTES_TQ.md, twenty-third session); 1: equal splits."""
+    first_wave_min_tiles: int = 64
+    """`first_wave_weight` applies only to calls whose splits average at least this many tiles over the block
+    table's span: with fewer (16-32 at batch 1, 128k) the weight moves a tile or two per split, and it measured
+    up to 1.4 us slower there (twenty-fourth session)."""
 
 
 MAX_FUSED_SPLITS = 32
@@ -633,10 +637,20 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
 
     if fmt in tq_warp.FORMATS:
         return TQGluonConfig(block_n=256 if head_dim == 64 else 128, per_warp=True, sum_pages=True, unroll=True,
-                             mma_sums=True, rotate_query=True, fused_merge=True)
+                             mma_sums=True, rotate_query=True, fused_merge=True,
+                             first_wave_weight=FIRST_WAVE_WEIGHT.get(fmt, 1.0))
     if head_dim >= 128 and tq_layout(fmt, head_dim).key_fp8:
         return TQGluonConfig(block_n=128)
     return TQGluonConfig(block_n=64, maxnreg=128 if head_dim >= 128 else None)
+
+
+FIRST_WAVE_WEIGHT = {"turboquant_3bit_nc": 1.125}
+"""`TQGluonConfig.first_wave_weight` by format. 3bit_nc at batch 8, 64k and 128k (twenty-fourth session,
+`bench/results_tq_stamps/waves2.log`, us, default / 1.125 / 1.25 / default): gpt-oss layer 78.49 / 75.64 / 77.45 /
+80.31 and 151.18 / 145.56 / 142.32 / 149.59; Llama layer 129.34 / 124.77 / 127.38 / 131.53 and 248.42 / 238.23 /
+242.25 / 247.92. k3v4_nc took longer with either weight (gpt-oss 128k 143.43 / 144.00 / 147.20 / 145.45, Llama
+255.76 / 260.99 / 266.06 / 255.88), and 4bit_nc within its spread or longer (`waves.log`: gpt-oss 128k 154.34 /
+153.42 at 1.125 / 157.94 at 1.25 / 154.96)."""
 
 
 REGISTERS = {"turboquant_k8v4": {(128, 128): 235, (128, 64): 152, (64, 64): 95, (64, 128): 161}}

@@ -880,6 +880,14 @@ def split_weights(first_wave_weight: float) -> tuple[int, int]:
     return (0, 0) if w1 == WAVE_UNIT else (w1, WAVE_UNIT)
 
 
+def call_weights(cfg, span: int, splits: int) -> tuple[int, int]:
+    """(W1, W2) of one call: `split_weights` of `cfg.first_wave_weight` where its splits average at least
+    `cfg.first_wave_min_tiles` tiles over `span` tokens (the block table's, no host sync), else (0, 0)."""
+    if span < cfg.first_wave_min_tiles * cfg.block_n * splits:
+        return 0, 0
+    return split_weights(cfg.first_wave_weight)
+
+
 def weighted_tiles(first_tile: int, end_tile: int, split: int, num_splits: int, group: int, num_groups: int,
                    num_sms: int, w1: int, w2: int) -> tuple[int, int]:
     """`_weighted_tiles` on the host (its tests)."""
@@ -907,7 +915,7 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     (probe only, bench/probe_tq_stamps.py): int64 [programs, `tq_gluon.STAMPS_ROW`], zeroed; each program's
     `tq_gluon.STAMPS` at the row of its linear block id (grid (kv heads, splits, batch), or with
     `first_wave_weight` (batch x kv heads, splits))."""
-    from kvpolicy.kernels.decode_attention import launch_merge, split_partials
+    from kvpolicy.kernels.decode_attention import _span, launch_merge, split_partials
     from kvpolicy.kernels.tq_gluon import TQGluonConfig
 
     if fmt not in FORMATS:
@@ -925,14 +933,14 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
     counters = None
     if cfg.fused_merge and 1 < splits <= MAX_FUSED_SPLITS:
         counters = arrival_counters(cache.device, batch * num_kv_heads)
-    w1, w2 = split_weights(cfg.first_wave_weight)
+    w1, w2 = call_weights(cfg, _span(block_tables, PAGE, sliding_window, cfg.block_n), splits)
     grid = (batch * num_kv_heads, splits) if w1 else (num_kv_heads, splits, batch)
     _tq_warp_kernel[grid](
         q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
         sinks if sinks is not None else seq_lens, out, part_out, part_lse,
         counters if counters is not None else seq_lens, stamps if stamps is not None else seq_lens, float(q_scale),
-        int(sliding_window or 0), splits, _num_sms(cache.device) if w1 else 0, q16.stride(0), q16.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
+        int(sliding_window or 0), splits, _num_sms(cache.device) if w1 else 0, q16.stride(0), q16.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and (splits == 1 or counters is not None), IS_SPLIT=splits > 1,
         ROTATE=cfg.rotate_query, OFF32=cache.nbytes // 4 < 2**31, FUSED=counters is not None,

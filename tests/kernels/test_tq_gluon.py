@@ -279,7 +279,7 @@ def test_per_warp_first_wave_weights_match_reference(fmt: str, d: int, hq: int, 
     from kvpolicy.kernels import tq_gluon, tq_warp
 
     monkeypatch.setattr(tq_warp, "_num_sms", lambda device: 20)
-    cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), first_wave_weight=weight)
+    cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), first_wave_weight=weight, first_wave_min_tiles=0)
     _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
 
 
@@ -309,7 +309,7 @@ def test_per_warp_stamps_are_ordered_and_leave_the_output(fmt: str, d: int, hq: 
     query = torch.randn(len(seq), hq, d, device=device)
     sinks = torch.randn(hq, device=device)
     cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), rotate_query=rotate, fused_merge=True,
-                              first_wave_weight=first_wave)
+                              first_wave_weight=first_wave, first_wave_min_tiles=0)
     scale = d ** -0.5
     q16, q_scale = (query, scale * LOG2E) if rotate else (_rotated_query(query, fmt, hkv, scale), 1.0)
     stamps = torch.zeros(len(seq) * splits * hkv, tq_gluon.STAMPS_ROW, dtype=torch.int64, device=device)

@@ -104,16 +104,18 @@
 #            Llama 3bit_nc at batch 1.
 #   raw:     the same probe's last run whole (every program's stamps and SM), gpt-oss 4bit_nc at 128k, batch 1
 #            and 8: which programs end late.
-#   waves:   (branch tq-waves) GPU tests of TQGluonConfig.first_wave_weight and the stamps, then the probe of
-#            first-wave weights 1.125-1.375 against the defaults, both layers, batch 1 and 8, 128k.
-#   waves2:  (branch tq-waves) the first-wave GPU tests (-n 8), then weights 1.125 and 1.25 against the defaults
-#            for the 3-bit-key formats at batch 8, 64k and 128k, both layers (waves found them 5% faster there).
+# session 32 (run as `waves` and `waves2` on branch tq-waves, renamed: session 19's `waves` is above):
+#   firstwave:  GPU tests of TQGluonConfig.first_wave_weight and the stamps, then the probe of first-wave
+#            weights 1.125-1.375 against the defaults (then 1.0), both layers, batch 1 and 8, 128k.
+#   firstwave2: the first-wave GPU tests (-n 8), then weights 1.125 and 1.25 against the defaults for the
+#            3-bit-key formats at batch 8, 64k and 128k, both layers (firstwave found 3bit_nc 5% faster there).
+#            Results: bench/results_tq_stamps/waves*.
 #   (modes run on branch tq-stamps-exp and removed with its knobs: `stamps2` (the query's stamps, rotated in the
 #            kernel or before it), `prologue` (TQGluonConfig.interleave and pages_first, a branch that kept the
 #            query's product after the first tile's loads), `stagger` (split s started (s mod 4) x 250-1000 ns
 #            late): stamps_rotate.*, prologue*, stagger* in bench/results_tq_stamps/.)
 set -u
-out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor|k8v4|fused|stamps|raw|waves|waves2}
+out=${1:?usage: bash bench/device_tq_warp.sh OUTDIR test|profile|final|v3|d64|tests|lazy|splits|evidence|waves|profile19|ppw|ppw2|ppw4|fold|sum|pw|rt|addr|v3sel|profile23|unroll|sums|b1curve|rotate|early|twopage|warporder|unroll3|keylane|offsets|pwx|floor|k8v4|fused|stamps|raw|firstwave|firstwave2}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
 logged_probe() {  # LOG TAG PROBE_ARGS...: one probe into $out/probe_TAG.json, its lines appended to $out/LOG
@@ -149,7 +151,7 @@ if [ "$2" = stamps ]; then
 elif [ "$2" = raw ]; then
   timeout 200 python3 bench/probe_tq_stamps.py --formats turboquant_4bit_nc --contexts 131072 --batch 1,8 --runs 4 --raw \
     --out "$out/raw.json" 2>&1 | grep "graph call"
-elif [ "$2" = waves ]; then
+elif [ "$2" = firstwave ]; then
   timeout 240 python3 -m pytest -q -n 4 tests/kernels/test_tq_gluon.py -k "first_wave or stamps" -p no:cacheprovider \
     > "$out/pytest_waves.log" 2>&1; tail -3 "$out/pytest_waves.log"
   v="first_wave_weight=1.125/first_wave_weight=1.25/first_wave_weight=1.375"
@@ -157,7 +159,7 @@ elif [ "$2" = waves ]; then
     timeout 120 python3 bench/probe_tq_stamps.py --geometries llama-3.1-8b --contexts 131072 --batch 1,8 --runs 10 \
       --variants $v --out "$out/waves_llama.json"; } > "$out/waves.log" 2>&1
   grep -E "graph call|Error|error" "$out/waves.log"
-elif [ "$2" = waves2 ]; then
+elif [ "$2" = firstwave2 ]; then
   timeout 300 python3 -m pytest -q -n 8 tests/kernels/test_tq_gluon.py -k "first_wave" -p no:cacheprovider \
     > "$out/pytest_waves2.log" 2>&1; tail -3 "$out/pytest_waves2.log"
   v="first_wave_weight=1.125/first_wave_weight=1.25"

@@ -541,7 +541,7 @@ class TQGluonConfig:
     first_wave_min_tiles: int = 64
     """`first_wave_weight` applies only to calls whose splits average at least this many tiles over the block
     table's span: with fewer (16-32 at batch 1, 128k) the weight moves a tile or two per split, and it measured
-    up to 1.4 us slower there (twenty-fourth session)."""
+    up to 1.4 us slower there (session 32, `bench/results_tq_stamps/waves.log`)."""
 
 
 MAX_FUSED_SPLITS = 32
@@ -632,7 +632,9 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
     - The split merge in the per-warp kernel (`fused_merge`, twenty-ninth session, `bench/results_tq_fused/`, us,
       plain call / fused / plain again): gpt-oss layer batch 1 128k 4bit_nc 29.38 / 28.30 / 29.18, k3v4_nc
       27.94 / 26.93 / 27.34, 3bit_nc 28.02 / 27.06 / 27.48, 4k 3bit_nc 7.51 / 6.88 / 7.48; batch 8 128k
-      within 1.2 us; Llama layer batch 1 128k 4bit_nc 49.15 / 47.16 / 47.70, batch 8 4k 19.49 / 18.20 / 19.61."""
+      within 1.2 us; Llama layer batch 1 128k 4bit_nc 49.15 / 47.16 / 47.70, batch 8 4k 19.49 / 18.20 / 19.61.
+    - 3bit_nc's first-wave splits take 18/16 of the tiles where splits average 64 tiles or more (batch 8 at 64k
+      and 128k; `FIRST_WAVE_WEIGHT`, session 32): 3.6-4.1% faster there."""
     from kvpolicy.kernels import tq_warp
 
     if fmt in tq_warp.FORMATS:
@@ -645,8 +647,8 @@ def default_config(fmt: str, head_dim: int) -> TQGluonConfig:
 
 
 FIRST_WAVE_WEIGHT = {"turboquant_3bit_nc": 1.125}
-"""`TQGluonConfig.first_wave_weight` by format. 3bit_nc at batch 8, 64k and 128k (twenty-fourth session,
-`bench/results_tq_stamps/waves2.log`, us, default / 1.125 / 1.25 / default): gpt-oss layer 78.49 / 75.64 / 77.45 /
+"""`TQGluonConfig.first_wave_weight` by format. 3bit_nc at batch 8, 64k and 128k (session 32, bench/NOTES_TQ.md
+twenty-fourth section, `bench/results_tq_stamps/waves2.log`, us, default / 1.125 / 1.25 / default): gpt-oss layer 78.49 / 75.64 / 77.45 /
 80.31 and 151.18 / 145.56 / 142.32 / 149.59; Llama layer 129.34 / 124.77 / 127.38 / 131.53 and 248.42 / 238.23 /
 242.25 / 247.92. k3v4_nc took longer with either weight (gpt-oss 128k 143.43 / 144.00 / 147.20 / 145.45, Llama
 255.76 / 260.99 / 266.06 / 255.88), and 4bit_nc within its spread or longer (`waves.log`: gpt-oss 128k 154.34 /

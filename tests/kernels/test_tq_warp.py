@@ -12,10 +12,10 @@ import torch
 from kvpolicy.kernels.tq_reference import _pack_codes, emulate_ptx
 from kvpolicy.kernels.tq_warp import (
     block_layout,
+    call_weights,
     dim_of_row,
     pages_per_warp,
     rotation_operand,
-    call_weights,
     split_weights,
     v3_word_program,
     v_word_program,

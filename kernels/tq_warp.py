@@ -883,9 +883,8 @@ def split_weights(first_wave_weight: float) -> tuple[int, int]:
 def call_weights(cfg, span: int, splits: int) -> tuple[int, int]:
     """(W1, W2) of one call: `split_weights` of `cfg.first_wave_weight` where its splits average at least
     `cfg.first_wave_min_tiles` tiles over `span` tokens (the block table's, no host sync), else (0, 0)."""
-    if span < cfg.first_wave_min_tiles * cfg.block_n * splits:
-        return 0, 0
-    return split_weights(cfg.first_wave_weight)
+    weights = split_weights(cfg.first_wave_weight)  # checks the weight whatever the call
+    return (0, 0) if span < cfg.first_wave_min_tiles * cfg.block_n * splits else weights
 
 
 def weighted_tiles(first_tile: int, end_tile: int, split: int, num_splits: int, group: int, num_groups: int,

@@ -5,6 +5,7 @@ must hold; the kernel itself is tested on the GPU (test_tq_gluon.py -k per_warp)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -259,3 +260,11 @@ def test_default_first_wave_weight_only_where_it_measured_faster(fmt: str, head_
     from kvpolicy.kernels.tq_gluon import default_config
 
     assert call_weights(default_config(fmt, head_dim), span, splits) == want
+
+
+def test_a_bad_first_wave_weight_is_refused_even_where_it_would_not_apply() -> None:
+    from kvpolicy.kernels.tq_gluon import default_config
+
+    cfg = dataclasses.replace(default_config("turboquant_3bit_nc", 64), first_wave_weight=8.0)
+    with pytest.raises(ValueError, match=r"first_wave_weight must be in \[0.5, 4\], got 8.0"):
+        call_weights(cfg, 4096, 32)

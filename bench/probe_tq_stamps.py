@@ -36,6 +36,7 @@ from bench_decode import (
 )
 from kvpolicy.kernels import tq_gluon as tg
 from kvpolicy.kernels import tq_warp as tw
+from kvpolicy.kernels.decode_attention import sm_count
 from kvpolicy.kernels.tq_decode import LOG2E, _rotated_query, decode_attention_tq
 from probe_tq_floor import _config
 
@@ -100,7 +101,7 @@ def measure(gname: str, batch: int, ctx: int, fmt: str, runs: int, rotate: bool,
     with _config(rotate_query=rotate, **(fields or {})):  # the same config without stamps: the same output
         plain = decode_attention_tq(q, cache, tables[0], sl, fmt, sinks=sinks, kernel="gluon").clone()
     err = float((stamped(0).float() - plain.float()).abs().max())
-    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    num_sms = sm_count(dev)
     per_run = []
     for r in range(runs + 2):
         stamps.zero_()

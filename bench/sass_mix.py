@@ -105,9 +105,9 @@ def compile_tq_gluon(fmt: str, head_dim: int, block_n: int, group: int, lazy: bo
     constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
     if per_warp:
         constexprs.update(tw.layouts(constexprs["KBM"], head_dim, constexprs["V_BITS"], block_n, sum_pages, mma_sums))
+        w1, w2 = tw.split_weights(first_wave)
         constexprs.update(UNROLL=unroll, ROTATE=rotate, OFF32=off32, FUSED=fused_splits > 1, STAMPS=stamps,
-                          **dict(zip(("WAVE_W1", "WAVE_W2"), tw.split_weights(first_wave))),
-                          **tw.merge_blocks(max(fused_splits, 1), head_dim))
+                          WAVE_W1=w1, WAVE_W2=w2, **tw.merge_blocks(max(fused_splits, 1), head_dim))
     pointers = {"q_ptr": "*bf16" if rotate else "*fp16", "order_ptr": "*i32", "rot_ptr": "*fp16", "cache32_ptr": "*i32", "cache16_ptr": "*i16",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cnt_ptr": "*i32", "stamp_ptr": "*i64"}

@@ -52,6 +52,7 @@ import functools
 
 import torch
 import triton
+from kvpolicy.kernels.decode_attention import sm_count
 from kvpolicy.kernels.decode_gluon import split_tiles
 from kvpolicy.kernels.tq_gluon import (
     _K3_I8_ASM,
@@ -898,11 +899,6 @@ def weighted_tiles(first_tile: int, end_tile: int, split: int, num_splits: int, 
     return first_tile + n * lo // total, first_tile + n * hi // total
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
                    sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg,
@@ -938,8 +934,9 @@ def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache
         q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
         sinks if sinks is not None else seq_lens, out, part_out, part_lse,
         counters if counters is not None else seq_lens, stamps if stamps is not None else seq_lens, float(q_scale),
-        int(sliding_window or 0), splits, _num_sms(cache.device) if w1 else 0, q16.stride(0), q16.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
+        int(sliding_window or 0), splits, sm_count(cache.device) if w1 else 0, q16.stride(0), q16.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), **cx,
+        **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
         UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None and (splits == 1 or counters is not None), IS_SPLIT=splits > 1,
         ROTATE=cfg.rotate_query, OFF32=cache.nbytes // 4 < 2**31, FUSED=counters is not None,

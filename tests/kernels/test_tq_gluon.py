@@ -278,7 +278,7 @@ def test_per_warp_first_wave_weights_match_reference(fmt: str, d: int, hq: int, 
     (so that most groups have splits of both waves), windows, sinks and 40 splits of 1025 tokens (empty splits)."""
     from kvpolicy.kernels import tq_gluon, tq_warp
 
-    monkeypatch.setattr(tq_warp, "_num_sms", lambda device: 20)
+    monkeypatch.setattr(tq_warp, "sm_count", lambda device: 20)
     cfg = dataclasses.replace(tq_gluon.default_config(fmt, d), first_wave_weight=weight, first_wave_min_tiles=0)
     _check_config(cfg, fmt, device, monkeypatch, d, hq, window, sinks, splits)
 

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from kvpolicy.decision import Priority, Workload
 from kvpolicy.errors import InputError, did_you_mean
+from kvpolicy.inputs.workload import Priority, Workload
 
 MAX_BODY_BYTES = 64 * 1024
 """Largest request body accepted; longer bodies get 413 (counted while reading, not from Content-Length)."""
@@ -28,7 +28,7 @@ ErrorKind = Literal["invalid_json", "invalid_request", "unknown_model", "unknown
 
 def _tokens(value: Any) -> int:
     """`32k` or 131072 -> tokens, with the CLI's parser and the Workload's bound."""
-    from kvpolicy.recommend import parse_tokens
+    from kvpolicy.inputs.workload import parse_tokens
 
     if not isinstance(value, (int, str)) or isinstance(value, bool):
         raise ValueError(f"expected a token count such as 131072 or \"32k\", found {value!r}")

@@ -11,34 +11,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Priority = Literal["decode", "prefill", "balanced"]
-TwoLevel = Literal["on", "off", "not_applicable"]
-ScaleSource = Literal["uncalibrated", "checkpoint_per_tensor", "checkpoint_per_head", "per_token_head"]
-Provenance = Literal["measured", "modelled"]
+from kvpolicy.inputs.policy_schema import ScaleSource, TwoLevel
+from kvpolicy.inputs.workload import Workload
 
-DECISION_FIELDS = ("kv_cache_dtype", "skip_layers", "two_level_accumulation", "scale_source", "attention_backend")
-"""Decision fields in the order the engine decides them; a rule may test only earlier ones."""
+Provenance = Literal["measured", "modelled"]
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class Workload(_Model):
-    """What the deployment asks of the GPU."""
-
-    context_tokens: int = Field(default=32768, gt=0, le=16_777_216)
-    """Context length per request (prompt plus output), in tokens."""
-    priority: Priority = "decode"
-    """What latency matters most: decode (ITL), prefill (TTFT) or both."""
-    concurrency: int = Field(default=1, gt=0, le=1_000_000)
-    """Requests served at once at that context."""
-    tp: int = Field(default=1, gt=0, le=1024)
-    """Tensor-parallel size (GPUs per replica)."""
-    accuracy_floor: float = Field(default=0.95, gt=0, le=1)
-    """Lowest acceptable accuracy recovery vs BF16 (0-1)."""
-    gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)
-    """Fraction of GPU memory vLLM may use (vLLM's default 0.92)."""
 
 
 class Decision(_Model):

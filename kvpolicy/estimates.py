@@ -18,12 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpolicy.arch import ModelArch, layer_kv_bytes_per_token, tokens_held
-from kvpolicy.decision import Decision, Estimate, Estimates, Workload
+from kvpolicy.decision import Decision, Estimate, Estimates
 from kvpolicy.formats import FORMATS, KvFormat
-from kvpolicy.gpus import GpuSpec
+from kvpolicy.inputs.arch import ModelArch, layer_kv_bytes_per_token, tokens_held
+from kvpolicy.inputs.gpus import GpuSpec
+from kvpolicy.inputs.policy_schema import ItlFit, Policy, resolve_threshold
+from kvpolicy.inputs.workload import Workload
 from kvpolicy.kernel_figures import kernel_slope
-from kvpolicy.policy.schema import ItlFit, Policy, resolve_threshold
 
 GIB = 1 << 30
 RUNTIME_RESERVE_GIB = 2.5

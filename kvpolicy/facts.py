@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpolicy.arch import ModelArch
-from kvpolicy.decision import Workload
 from kvpolicy.estimates import (
     Layout,
     break_even,
@@ -18,9 +16,11 @@ from kvpolicy.estimates import (
     max_concurrency,
     recovery,
 )
-from kvpolicy.gpus import GpuSpec
+from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.gpus import GpuSpec
+from kvpolicy.inputs.policy_schema import Policy
+from kvpolicy.inputs.workload import Workload
 from kvpolicy.kernel_figures import kernel_figure
-from kvpolicy.policy.schema import Policy
 
 FACTS: dict[str, str] = {
     "model.id": "catalog id of the model",

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpolicy.arch import ModelArch
 from kvpolicy.decision import Estimate
 from kvpolicy.formats import FORMATS
-from kvpolicy.gpus import GpuSpec
-from kvpolicy.policy.schema import KernelMeasurement, Policy
+from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.gpus import GpuSpec
+from kvpolicy.inputs.policy_schema import KernelMeasurement, Policy
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,8 @@ def _kernel_cache(policy: Policy) -> tuple[list[_KernelRow], dict[tuple[Any, ...
 
 def _catalog_gpu(name: str) -> tuple[str | None, str | None]:
     """(catalog id, generation) of a GPU named in evidence by id or alias; (None, None) when unknown."""
-    from kvpolicy.catalog import resolve_gpu
     from kvpolicy.errors import InputError
+    from kvpolicy.inputs.catalog import resolve_gpu
 
     if name.strip().lower() == "auto":
         return None, None

@@ -42,12 +42,13 @@ from kvpolicy.api import (
     RecommendRequest,
     field_errors,
 )
-from kvpolicy.arch import ModelArch
-from kvpolicy.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.decision import Recommendation
 from kvpolicy.errors import InputError
-from kvpolicy.gpus import GpuSpec
-from kvpolicy.recommend import make_workload, recommend
+from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
+from kvpolicy.inputs.gpus import GpuSpec
+from kvpolicy.inputs.workload import make_workload
+from kvpolicy.recommend import recommend
 from kvpolicy.service_metrics import Metrics
 from kvpolicy.service_policy import PolicyHolder, Snapshot
 
@@ -97,8 +98,8 @@ def evaluate(snap: Snapshot, req: RecommendRequest) -> Recommendation:
 
 def check(snap: Snapshot, body: CheckRequest) -> CheckResponse:
     """Judge a batch with `kvpolicy check`'s own function: the request's deployments, or the policy's own."""
+    from kvpolicy.inputs.policy_schema import Deployment
     from kvpolicy.policy.deployments import check_deployment
-    from kvpolicy.policy.schema import Deployment
 
     results = []
     if body.deployments is not None:

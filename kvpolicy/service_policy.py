@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import PolicyError
-from kvpolicy.policy.loader import BUILTIN, LoadedPolicy, load_policy
-from kvpolicy.yamlio import read_text
+from kvpolicy.inputs.policy_loader import BUILTIN, LoadedPolicy, load_policy
+from kvpolicy.inputs.yamlio import read_text
 
 log = logging.getLogger("kvpolicy.serve")
 
@@ -71,9 +71,10 @@ def validate(spec: str) -> LoadedPolicy:
     catalog GPU of each generation, with the policy's default workload, so a rule
     that breaks only on MLA or only on Blackwell is caught before it serves.
     """
-    from kvpolicy.catalog import load_gpus, load_models
+    from kvpolicy.inputs.catalog import load_gpus, load_models
+    from kvpolicy.inputs.workload import make_workload
     from kvpolicy.policy.engine import check_references
-    from kvpolicy.recommend import make_workload, recommend
+    from kvpolicy.recommend import recommend
 
     loaded = load_policy(spec, read=_read_nonempty)
     check_references(loaded.policy)

@@ -16,7 +16,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kvpolicy.decision import Decision, Workload
+from kvpolicy.decision import Decision
+from kvpolicy.inputs.workload import Workload
 
 Version = tuple[int, int, int]
 

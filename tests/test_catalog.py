@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpolicy import catalog
-from kvpolicy.arch import layer_kv_bytes_per_token
-from kvpolicy.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.errors import InputError
 from kvpolicy.formats import FORMATS
+from kvpolicy.inputs import catalog
+from kvpolicy.inputs.arch import layer_kv_bytes_per_token
+from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -341,8 +341,8 @@ def test_malformed_catalog_yaml_gives_the_position(tmp_path: Path):
 
 def test_importing_the_catalog_defers_yaml_and_hfconfig():
     code = (
-        "import sys, kvpolicy.catalog; "
-        "print(sorted(m for m in ('ruamel.yaml', 'kvpolicy.hfconfig') if m in sys.modules))"
+        "import sys, kvpolicy.inputs.catalog; "
+        "print(sorted(m for m in ('ruamel.yaml', 'kvpolicy.inputs.hfconfig') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-from kvpolicy.catalog import resolve_gpu, resolve_model
 from kvpolicy.cli import main
 from kvpolicy.decision import Recommendation
-from kvpolicy.policy.loader import load_policy
-from kvpolicy.recommend import make_workload, recommend
+from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+from kvpolicy.inputs.policy_loader import load_policy
+from kvpolicy.inputs.workload import make_workload
+from kvpolicy.recommend import recommend
 
 
 def _h200_slopes(geometry: str) -> dict[str, float]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvpolicy.arch import ModelArch
 from kvpolicy.decision import Recommendation
 from kvpolicy.fielddocs import attach_docstrings, field_docstrings, model_tree
-from kvpolicy.gpus import GpuSpec
-from kvpolicy.policy.schema import Policy
+from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.gpus import GpuSpec
+from kvpolicy.inputs.policy_schema import Policy
 
 ROOTS = [Policy, Recommendation, ModelArch, GpuSpec]
 

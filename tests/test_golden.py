@@ -24,10 +24,11 @@ from typing import Any
 
 import pytest
 
-from kvpolicy.catalog import load_models, resolve_gpu, resolve_model
 from kvpolicy.cli import main
-from kvpolicy.policy.loader import load_policy
-from kvpolicy.recommend import make_workload, recommend
+from kvpolicy.inputs.catalog import load_models, resolve_gpu, resolve_model
+from kvpolicy.inputs.policy_loader import load_policy
+from kvpolicy.inputs.workload import make_workload
+from kvpolicy.recommend import recommend
 from kvpolicy.render import render
 
 GOLDEN = Path(__file__).parent / "golden"

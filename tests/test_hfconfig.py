@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from kvpolicy.arch import ModelArch, layer_kv_bytes_per_token
-from kvpolicy.catalog import resolve_model
 from kvpolicy.errors import InputError
 from kvpolicy.formats import FORMATS
-from kvpolicy.hfconfig import arch_from_hf_config, load_hf_config
+from kvpolicy.inputs.arch import ModelArch, layer_kv_bytes_per_token
+from kvpolicy.inputs.catalog import resolve_model
+from kvpolicy.inputs.hfconfig import arch_from_hf_config, load_hf_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 BF16 = FORMATS["auto"]

@@ -10,8 +10,8 @@ import pytest
 
 from kvpolicy.cli import main
 from kvpolicy.errors import InputError, PolicyError
-from kvpolicy.policy.loader import load_policy
-from kvpolicy.policy.schema import resolve_threshold
+from kvpolicy.inputs.policy_loader import load_policy
+from kvpolicy.inputs.policy_schema import resolve_threshold
 
 HEADER = "version: 1\nname: team\nextends: builtin:default\n"
 

@@ -13,14 +13,15 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.catalog import load_gpus, load_models, resolve_gpu, resolve_model
-from kvpolicy.decision import DECISION_FIELDS
 from kvpolicy.errors import KvPolicyError
 from kvpolicy.facts import FACTS
 from kvpolicy.formats import FORMATS
+from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
+from kvpolicy.inputs.policy_loader import load_policy
+from kvpolicy.inputs.policy_schema import DECISION_FIELDS
+from kvpolicy.inputs.workload import make_workload
 from kvpolicy.policy.engine import decide
-from kvpolicy.policy.loader import load_policy
-from kvpolicy.recommend import make_workload, recommend
+from kvpolicy.recommend import recommend
 
 BUILTIN = load_policy()
 RULE_IDS = [r.id for r in BUILTIN.policy.rules]

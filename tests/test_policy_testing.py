@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpolicy.cli import main
-from kvpolicy.policy.loader import load_policy
+from kvpolicy.inputs.policy_loader import load_policy
 from kvpolicy.policy.testing import Case, Expect, Fixture, PolicyTestFile, run_file
 
 ROOT = Path(__file__).resolve().parent.parent

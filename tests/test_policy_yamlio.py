@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpolicy.errors import PolicyError
-from kvpolicy.yamlio import load_roundtrip, update_yaml_file, write_text_atomic
+from kvpolicy.inputs.yamlio import load_roundtrip, update_yaml_file, write_text_atomic
 
 TEAM = """\
 # yaml-language-server: $schema=schemas/policy.schema.json

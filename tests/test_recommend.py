@@ -6,12 +6,13 @@ import itertools
 
 import pytest
 
-from kvpolicy.arch import layer_kv_bytes_per_token
-from kvpolicy.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.decision import Recommendation
 from kvpolicy.formats import FORMATS
-from kvpolicy.policy.loader import load_policy
-from kvpolicy.recommend import make_workload, parse_tokens, recommend
+from kvpolicy.inputs.arch import layer_kv_bytes_per_token
+from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
+from kvpolicy.inputs.policy_loader import load_policy
+from kvpolicy.inputs.workload import make_workload, parse_tokens
+from kvpolicy.recommend import recommend
 
 
 @pytest.fixture(scope="module")

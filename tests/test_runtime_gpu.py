@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the runtime needs torch")
 
-from kvpolicy.arch import ModelArch
 from kvpolicy.cli import main
+from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.runtime import ops
 from kvpolicy.runtime.step import DecodeStep
 from kvpolicy.runtime.variants import parse_variant

@@ -19,7 +19,7 @@ if torch.cuda.is_available():
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the Triton path needs triton")
 
-from kvpolicy.arch import ModelArch
+from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.runtime import ops
 from kvpolicy.runtime.step import DecodeStep
 from kvpolicy.runtime.variants import parse_variant

@@ -6,11 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpolicy.catalog import resolve_gpu, resolve_model
 from kvpolicy.decision import Decision
 from kvpolicy.errors import PolicyError
-from kvpolicy.policy.loader import load_policy
-from kvpolicy.recommend import make_workload, recommend
+from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+from kvpolicy.inputs.policy_loader import load_policy
+from kvpolicy.inputs.workload import make_workload
+from kvpolicy.recommend import recommend
 from kvpolicy.runtime.fit import LineFit, break_even_tokens, fit_line
 from kvpolicy.runtime.record import evidence_id, record_bench
 from kvpolicy.runtime.results import BenchFit, BenchResult, Environment, VariantInfo

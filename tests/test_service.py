@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvpolicy.api import MAX_BODY_BYTES, MAX_CHECK_DEPLOYMENTS, RecommendRequest  # noqa: E402
-from kvpolicy.catalog import load_gpus, load_models, resolve_gpu, resolve_model  # noqa: E402
 from kvpolicy.commands.catalogs import schemas  # noqa: E402
-from kvpolicy.decision import Workload  # noqa: E402
-from kvpolicy.policy.loader import load_policy  # noqa: E402
-from kvpolicy.recommend import make_workload, recommend  # noqa: E402
+from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
+from kvpolicy.inputs.policy_loader import load_policy
+from kvpolicy.inputs.workload import Workload, make_workload
+from kvpolicy.recommend import recommend
 
 POLICY = """\
 version: 1
@@ -179,8 +179,8 @@ def test_healthz(server, team_file):
 
 
 def test_check_batch(server, published, team_file):
+    from kvpolicy.inputs.policy_schema import Deployment
     from kvpolicy.policy.deployments import check_deployment
-    from kvpolicy.policy.schema import Deployment
 
     batch = {"deployments": [
         {"name": "chat", **CHAT},

@@ -20,8 +20,8 @@ from kvpolicy.commands.common import add_deployment_args
 from kvpolicy.errors import InputError, PolicyFailure
 
 if TYPE_CHECKING:
-    from kvpolicy.arch import ModelArch
     from kvpolicy.decision import Recommendation
+    from kvpolicy.inputs.arch import ModelArch
 
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +78,7 @@ def user_config_keys(user_args: list[str], emit_config: str | None) -> dict[str,
     if emit_config:
         raise InputError(f"--emit-config cannot wrap your own --config {files[0]}: merge it into the written "
                          "file or pass its flags after `--`.")
-    from kvpolicy.yamlio import load_safe
+    from kvpolicy.inputs.yamlio import load_safe
 
     try:
         data = load_safe(Path(files[0]).read_text(encoding="utf-8"), files[0])
@@ -95,8 +95,8 @@ def decide(args: argparse.Namespace) -> tuple[Recommendation, ModelArch, str]:
     from kvpolicy.recommend import recommend
 
     if args.deployment:
+        from kvpolicy.inputs.policy_loader import load_policy
         from kvpolicy.policy.deployments import deployment_inputs, find_deployment
-        from kvpolicy.policy.loader import load_policy
 
         if args.model or args.gpu:
             raise InputError("--deployment gives the model and GPU: leave out --model and --gpu, or the deployment.")

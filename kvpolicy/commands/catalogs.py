@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rule(args: argparse.Namespace) -> int:
-    from kvpolicy.policy.loader import load_policy
+    from kvpolicy.inputs.policy_loader import load_policy
 
     loaded = load_policy(args.policy)
     rules = loaded.policy.rules
@@ -82,7 +82,7 @@ def _facts(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from kvpolicy.catalog import load_models
+    from kvpolicy.inputs.catalog import load_models
 
     models = load_models()
     if args.format == "json":
@@ -96,7 +96,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _gpus(args: argparse.Namespace) -> int:
-    from kvpolicy.catalog import load_gpus
+    from kvpolicy.inputs.catalog import load_gpus
 
     gpus = load_gpus()
     if args.format == "json":
@@ -112,7 +112,7 @@ def _gpus(args: argparse.Namespace) -> int:
 def schemas() -> dict[str, dict]:
     """The published JSON Schemas by file name."""
     from kvpolicy.decision import Recommendation
-    from kvpolicy.policy.schema import Policy
+    from kvpolicy.inputs.policy_schema import Policy
 
     from kvpolicy.fielddocs import attach_docstrings
 

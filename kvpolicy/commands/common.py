@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kvpolicy.arch import ModelArch
-from kvpolicy.decision import Workload
 from kvpolicy.errors import InputError
-from kvpolicy.gpus import GpuSpec
-from kvpolicy.policy.loader import LoadedPolicy, load_policy
+from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.gpus import GpuSpec
+from kvpolicy.inputs.policy_loader import LoadedPolicy, load_policy
+from kvpolicy.inputs.workload import Workload
 
 
 def positive_int(flag: str):  # noqa: ANN201 - argparse type factory
@@ -76,8 +76,8 @@ class Inputs:
 
 def resolve_inputs(args: argparse.Namespace) -> Inputs:
     """Resolve the model, GPU, policy and workload named on the command line."""
-    from kvpolicy.catalog import resolve_gpu, resolve_model
-    from kvpolicy.recommend import make_workload
+    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.workload import make_workload
 
     if not args.model or not args.gpu:
         raise InputError("--model and --gpu are required, e.g. `--model gpt-oss-20b --gpu h100`.")

@@ -198,8 +198,8 @@ def _policy_path(given: str | None) -> str:
 
 def _check(args: argparse.Namespace) -> int:
     from kvpolicy.commands.policy_output import render_check
+    from kvpolicy.inputs.policy_loader import load_policy
     from kvpolicy.policy.deployments import check_deployment, find_deployment
-    from kvpolicy.policy.loader import load_policy
 
     loaded = load_policy(_policy_path(args.policy))
     deps = [find_deployment(loaded, n) for n in args.deployment] or loaded.policy.deployments
@@ -223,9 +223,9 @@ def _check(args: argparse.Namespace) -> int:
 
 def _diff(args: argparse.Namespace) -> int:
     from kvpolicy.commands.policy_output import render_diff
+    from kvpolicy.inputs.policy_schema import Deployment
+    from kvpolicy.inputs.policy_sources import Sources
     from kvpolicy.policy.diff import compare, load_side, policy_changes, split_revision
-    from kvpolicy.policy.schema import Deployment
-    from kvpolicy.policy.sources import Sources
 
     if args.git_rev is not None:
         if args.new is not None:

@@ -66,7 +66,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def parse_contexts(text: str) -> list[int]:
     """`1k..128k` -> 1024, 2048, ..., 131072; `4k,32k` -> 4096, 32768; both forms mix."""
-    from kvpolicy.recommend import parse_tokens
+    from kvpolicy.inputs.workload import parse_tokens
 
     out: list[int] = []
     for part in (p.strip() for p in text.split(",")):
@@ -104,9 +104,10 @@ def _resolve(args: argparse.Namespace, longest: int) -> tuple[Any, Any, Any, Any
     """(arch, gpu, loaded policy, recommendation at the longest context)."""
     import torch
 
-    from kvpolicy.catalog import resolve_gpu, resolve_model
-    from kvpolicy.policy.loader import load_policy
-    from kvpolicy.recommend import make_workload, recommend
+    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.policy_loader import load_policy
+    from kvpolicy.inputs.workload import make_workload
+    from kvpolicy.recommend import recommend
 
     loaded = load_policy(args.policy)
     arch = resolve_model(args.model)
@@ -166,7 +167,7 @@ def _bench(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any,
     if record is not None and backend == "triton":
         import torch
 
-        from kvpolicy.catalog import resolve_gpu
+        from kvpolicy.inputs.catalog import resolve_gpu
 
         here = resolve_gpu(torch.cuda.get_device_name(device), where="the local GPU")
         if here.id != gpu.id:

@@ -14,7 +14,7 @@ import socket
 import sys
 
 from kvpolicy.errors import InputError
-from kvpolicy.policy.loader import DEFAULT_POLICY
+from kvpolicy.inputs.policy_loader import DEFAULT_POLICY
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:

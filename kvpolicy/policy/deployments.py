@@ -10,14 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpolicy.errors import InputError, KvPolicyError, did_you_mean
-from kvpolicy.policy.loader import BUILTIN, LoadedPolicy
-from kvpolicy.policy.schema import Deployment
-from kvpolicy.policy.sources import Sources
+from kvpolicy.inputs.policy_loader import BUILTIN, LoadedPolicy
+from kvpolicy.inputs.policy_schema import Deployment
+from kvpolicy.inputs.policy_sources import Sources
 
 if TYPE_CHECKING:
-    from kvpolicy.arch import ModelArch
-    from kvpolicy.decision import Recommendation, Workload
-    from kvpolicy.gpus import GpuSpec
+    from kvpolicy.decision import Recommendation
+    from kvpolicy.inputs.arch import ModelArch
+    from kvpolicy.inputs.gpus import GpuSpec
+    from kvpolicy.inputs.workload import Workload
 
 
 def find_deployment(loaded: LoadedPolicy, name: str) -> Deployment:
@@ -48,8 +49,8 @@ def _model_spec(loaded: LoadedPolicy, spec: str) -> str:
 
 def deployment_inputs(loaded: LoadedPolicy, dep: Deployment) -> tuple[ModelArch, GpuSpec, Workload]:
     """Model, GPU and workload of one deployment; errors carry the deployment's file:line."""
-    from kvpolicy.catalog import resolve_gpu, resolve_model
-    from kvpolicy.recommend import make_workload
+    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.workload import make_workload
 
     where = _where(loaded, dep)
     try:

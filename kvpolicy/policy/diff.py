@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.decision import DECISION_FIELDS
 from kvpolicy.errors import InputError, KvPolicyError
-from kvpolicy.policy.loader import LoadedPolicy, Reader, load_policy
-from kvpolicy.policy.schema import Deployment, Policy
+from kvpolicy.inputs.policy_loader import LoadedPolicy, Reader, load_policy
+from kvpolicy.inputs.policy_schema import DECISION_FIELDS, Deployment, Policy
 
 
 def split_revision(spec: str) -> tuple[str, str | None]:

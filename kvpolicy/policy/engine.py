@@ -16,11 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy.decision import DECISION_FIELDS, Decision
+from kvpolicy.decision import Decision
 from kvpolicy.errors import PolicyError, did_you_mean
 from kvpolicy.facts import FACTS
 from kvpolicy.formats import FORMATS
-from kvpolicy.policy.schema import (
+from kvpolicy.inputs.policy_schema import (
+    DECISION_FIELDS,
     AllOf,
     AnyOf,
     Compare,

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import InputError, KvPolicyError
-from kvpolicy.policy.loader import BUILTIN, LoadedPolicy, load_policy
-from kvpolicy.policy.sources import Sources
-from kvpolicy.yamlio import error_problems
+from kvpolicy.inputs.policy_loader import BUILTIN, LoadedPolicy, load_policy
+from kvpolicy.inputs.policy_sources import Sources
+from kvpolicy.inputs.yamlio import error_problems
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvpolicy.errors import InputError
-from kvpolicy.yamlio import write_text_atomic
+from kvpolicy.inputs.yamlio import write_text_atomic
 
 POLICY_FILE = "kvpolicy.yaml"
 TEST_FILE = "kvpolicy_test.yaml"

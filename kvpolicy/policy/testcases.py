@@ -10,8 +10,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvpolicy.decision import ScaleSource, TwoLevel
-from kvpolicy.policy.schema import Scalar
+from kvpolicy.inputs.policy_schema import Scalar, ScaleSource, TwoLevel
 
 
 class _Strict(BaseModel):

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.decision import DECISION_FIELDS
 from kvpolicy.errors import KvPolicyError, PolicyError, did_you_mean
+from kvpolicy.inputs.policy_schema import DECISION_FIELDS
 from kvpolicy.policy.testcases import Case, Expect, Fixture, PolicyTestFile, TestInputs
 
 __all__ = ["Case", "Expect", "Fixture", "PolicyTestFile", "TestInputs", "discover", "load_test_file", "run_file"]
@@ -87,14 +87,14 @@ def load_test_file(path: Path) -> tuple[PolicyTestFile, Any]:
     """Parse and validate a test file (errors carry file:line:col)."""
     from pydantic import ValidationError
 
-    from kvpolicy.yamlio import Problem, load_roundtrip, located_error, read_text, validation_problems
+    from kvpolicy.inputs.yamlio import Problem, load_roundtrip, located_error, read_text, validation_problems
 
     raw = load_roundtrip(read_text(path), str(path))
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise located_error([Problem(str(path), "a test file must be a YAML mapping with `cases:`.", 1, 1)])
-    from kvpolicy.yamlio import to_plain
+    from kvpolicy.inputs.yamlio import to_plain
 
     try:
         return PolicyTestFile.model_validate(to_plain(raw)), raw
@@ -119,9 +119,9 @@ def policy_for(path: Path, tests: PolicyTestFile) -> str:
 
 def run_file(path: Path, run: re.Pattern[str] | None = None) -> FileResult:
     """Run every case of one test file (a file-level problem is reported in `error`)."""
-    from kvpolicy.policy.loader import load_policy
-    from kvpolicy.policy.sources import Sources
-    from kvpolicy.yamlio import error_problems, position
+    from kvpolicy.inputs.policy_loader import load_policy
+    from kvpolicy.inputs.policy_sources import Sources
+    from kvpolicy.inputs.yamlio import error_problems, position
 
     result = FileResult(file=str(path))
     try:
@@ -199,9 +199,9 @@ def _case_model(path: Path, spec: str) -> str:
 
 
 def _facts_for(inputs: dict[str, Any], overrides: dict[str, Any], loaded: Any) -> dict[str, Any]:
-    from kvpolicy.catalog import resolve_gpu, resolve_model
     from kvpolicy.facts import FACTS, build_facts
-    from kvpolicy.recommend import make_workload
+    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.workload import make_workload
 
     bad = [k for k in overrides if k not in FACTS]
     if bad:

@@ -21,10 +21,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy.arch import ModelArch, layer_kv_bytes_per_token
 from kvpolicy.errors import InputError
 from kvpolicy.estimates import Layout
 from kvpolicy.formats import KvFormat
+from kvpolicy.inputs.arch import ModelArch, layer_kv_bytes_per_token
 from kvpolicy.runtime.variants import Variant
 
 BLOCK_SIZE = 16

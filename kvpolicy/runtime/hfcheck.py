@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from kvpolicy.arch import ModelArch
 from kvpolicy.errors import InputError
+from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.runtime import ops
 from kvpolicy.runtime.caches import LayerPlan, allocate, plan_layers, slots_for
 from kvpolicy.runtime.variants import Variant

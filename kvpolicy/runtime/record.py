@@ -131,8 +131,8 @@ def update_policy_file(path: Path, mutate: Any) -> None:
     """
     from pydantic import ValidationError
 
-    from kvpolicy.policy.schema import Policy
-    from kvpolicy.yamlio import format_validation_error, load_roundtrip, to_plain, update_yaml_file
+    from kvpolicy.inputs.policy_schema import Policy
+    from kvpolicy.inputs.yamlio import format_validation_error, load_roundtrip, to_plain, update_yaml_file
 
     def change(doc: Any) -> Any:
         if not isinstance(doc, dict):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvpolicy.arch import ModelArch
+from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.runtime import ops
 from kvpolicy.runtime.caches import (
     BLOCK_SIZE,

@@ -17,9 +17,9 @@ from dataclasses import replace
 import torch
 from pydantic import Field
 
-from kvpolicy.arch import ModelArch
 from kvpolicy.decision import Decision
-from kvpolicy.gpus import GpuSpec
+from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.runtime.needle import (
     MARGIN_NATS,
     NEEDLE_LIFT,

@@ -12,7 +12,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from kvpolicy.decision import DECISION_FIELDS, ScaleSource, TwoLevel
+TwoLevel = Literal["on", "off", "not_applicable"]
+ScaleSource = Literal["uncalibrated", "checkpoint_per_tensor", "checkpoint_per_head", "per_token_head"]
+DECISION_FIELDS = ("kv_cache_dtype", "skip_layers", "two_level_accumulation", "scale_source", "attention_backend")
+"""Decision fields in the order the engine decides them; a rule may test only earlier ones."""
 
 Operator = Literal["eq", "ne", "lt", "le", "gt", "ge", "in", "not_in", "exists", "glob"]
 """Comparison operators. `exists` tests that a fact has a value; `glob` matches fnmatch patterns."""

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import KvPolicyError, PolicyError, did_you_mean
-from kvpolicy.policy.schema import Policy, PolicyLayer
-from kvpolicy.yamlio import (
+from kvpolicy.inputs.policy_schema import Policy, PolicyLayer
+from kvpolicy.inputs.yamlio import (
     Problem,
-    located_error,
     load_roundtrip,
     load_safe,
+    located_error,
     position,
     read_text,
     to_plain,
@@ -189,8 +189,8 @@ def _check_rule_ids(child: dict[str, Any], inherited: list[Any], name: str, raw:
 
 def _check_references(loaded: LoadedPolicy) -> None:
     """Unknown facts, thresholds and dtypes, each with the line that names it."""
+    from kvpolicy.inputs.policy_sources import Sources
     from kvpolicy.policy.engine import reference_problems
-    from kvpolicy.policy.sources import Sources
 
     refs = reference_problems(loaded.policy)
     if not refs:

@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.arch import LayerKind, ModelArch
 from kvpolicy.errors import InputError
+from kvpolicy.inputs.arch import LayerKind, ModelArch
 
 _NESTED_KEYS = ("text_config", "llm_config", "language_config")
 """Where multimodal wrappers keep the decoder's config."""

@@ -11,9 +11,9 @@ import functools
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvpolicy.arch import ModelArch
 from kvpolicy.errors import InputError
-from kvpolicy.gpus import GpuSpec, detect_gpu_names
+from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.gpus import GpuSpec, detect_gpu_names
 
 DATA_DIR = Path(__file__).parent / "data"
 MODELS_PATH = DATA_DIR / "models.yaml"
@@ -57,7 +57,7 @@ def resolve_model(spec: str, *, where: str = "--model", allow_paths: bool = True
                          "lists them); local config.json paths are not accepted here.")
     path = Path(text).expanduser()
     if path.exists():
-        from kvpolicy.hfconfig import load_hf_config
+        from kvpolicy.inputs.hfconfig import load_hf_config
 
         return load_hf_config(path)
     if explicit_path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from kvpolicy.yamlio import Problem, position
+from kvpolicy.inputs.yamlio import Problem, position
 
 
 class Sources:

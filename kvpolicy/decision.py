@@ -11,10 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpolicy.facts.estimates import Estimates
 from kvpolicy.inputs.policy_schema import ScaleSource, TwoLevel
 from kvpolicy.inputs.workload import Workload
-
-Provenance = Literal["measured", "modelled"]
 
 
 class _Model(BaseModel):
@@ -34,45 +33,6 @@ class Decision(_Model):
     """Where FP8 scales come from: 1.0, checkpoint per tensor, checkpoint per head, or in-kernel per token-head."""
     attention_backend: str | None = None
     """vLLM attention backend (`--attention-backend`); None lets vLLM choose."""
-
-
-class Estimate(_Model):
-    """One number with its provenance."""
-
-    value: float | None
-    """The number (None when it cannot be estimated)."""
-    unit: str
-    """Unit, e.g. `tokens`, `bytes`, `ratio`, `ms/token`."""
-    provenance: Provenance
-    """measured (from a study or the user's bench) or modelled (formula)."""
-    basis: str
-    """Source of a measured figure, or the formula and inputs of a modelled one."""
-
-
-class Estimates(_Model):
-    """Predicted effects of the decision."""
-
-    kv_bytes_per_token: dict[str, int]
-    """Bytes per token per rank by layer kind (summed over the layers of that kind), in the chosen format."""
-    kv_bytes_per_token_bf16: dict[str, int]
-    """The same in BF16, for comparison."""
-    kv_capacity_tokens: Estimate
-    """Tokens of KV the GPU holds (per replica) in the chosen format."""
-    kv_capacity_tokens_bf16: Estimate
-    """The same in BF16."""
-    capacity_vs_bf16: Estimate
-    """Requests at the context that fit, relative to BF16."""
-    max_concurrency: Estimate
-    """Requests at the context that fit in the chosen format."""
-    itl_slope_ratio: Estimate
-    """Decode ITL slope (ms/token of context) relative to BF16."""
-    kernel_slope_ratio: Estimate
-    """Decode-attention slope of kvpolicy's own Triton kernel for the chosen format, relative to cuDNN BF16
-    attention on the same GPU (measured, attention only; vLLM's own kernels are what `itl_slope_ratio` describes)."""
-    break_even_tokens: Estimate
-    """Context above which the chosen format decodes faster than BF16."""
-    accuracy_recovery: Estimate
-    """Expected accuracy relative to BF16 (1.0 = no loss)."""
 
 
 class RuleOutcome(_Model):

@@ -7,8 +7,8 @@ call; nothing else assembles a Recommendation.
 from __future__ import annotations
 
 from kvpolicy.decision import EvidenceRef, Recommendation, Trace
-from kvpolicy.estimates import estimate
-from kvpolicy.facts import build_facts
+from kvpolicy.facts.build import build_facts
+from kvpolicy.facts.estimates import estimate
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_loader import LoadedPolicy
@@ -23,7 +23,8 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
     facts = build_facts(arch, gpu, workload, policy)
     outcome = decide(policy, facts)
     decision = outcome.decision
-    ests = estimate(policy, arch, gpu, workload, decision, outcome.trace["facts"])
+    ests = estimate(policy, arch, gpu, workload, decision.kv_cache_dtype, decision.skip_layers,
+                    outcome.trace["facts"])
     by_id = {e.id: e for e in policy.evidence}
     evidence = [EvidenceRef(id=i, statement=by_id[i].statement, source=by_id[i].source)
                 for i in outcome.evidence_ids if i in by_id]

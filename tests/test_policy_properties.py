@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.errors import KvPolicyError
-from kvpolicy.facts import FACTS
-from kvpolicy.formats import FORMATS
+from kvpolicy.facts.build import FACTS
+from kvpolicy.facts.formats import FORMATS
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.policy_loader import load_policy
 from kvpolicy.inputs.policy_schema import DECISION_FIELDS

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="the runtime needs torch (pip install -e .[kernels])")
 
 from kvpolicy.errors import InputError
-from kvpolicy.estimates import Layout
-from kvpolicy.inputs.arch import ModelArch, layer_kv_bytes_per_token
+from kvpolicy.facts.kv_memory import Layout, layer_kv_bytes_per_token
+from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.catalog import resolve_model
 from kvpolicy.runtime import ops
 from kvpolicy.runtime.caches import (

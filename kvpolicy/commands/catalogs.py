@@ -70,7 +70,7 @@ def _rule(args: argparse.Namespace) -> int:
 
 
 def _facts(args: argparse.Namespace) -> int:
-    from kvpolicy.facts import FACTS
+    from kvpolicy.facts.build import FACTS
 
     if args.format == "json":
         echo(json.dumps(FACTS, indent=2))

@@ -1,8 +1,8 @@
-"""Model architecture: the per-layer KV layout and the KV-bytes formula.
+"""Model architecture: the per-layer cache kinds, heads and dimensions kvpolicy decides from.
 
 A catalog entry and a Hugging Face `config.json` both become a `ModelArch`; every
-number about KV memory is derived from it by `layer_kv_bytes_per_token`, the one
-copy of vLLM's formula (vLLM v1 `kv_cache_interface`).
+number about KV memory is derived from it by `facts.kv_memory.layer_kv_bytes_per_token`,
+the one copy of vLLM's formula (vLLM v1 `kv_cache_interface`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from kvpolicy.formats import FP8_DS_MLA_BYTES, KvFormat
 
 LayerKind = Literal["full", "sliding", "mla", "linear", "shared"]
 """full: global attention; sliding: window-bounded; mla: one latent per token;
@@ -143,26 +141,3 @@ class ModelArch(BaseModel):
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads one tensor-parallel rank holds; vLLM replicates heads when tp > kv heads."""
         return max(1, self.num_kv_heads // tp)
-
-
-def layer_kv_bytes_per_token(arch: ModelArch, layer: int, fmt: KvFormat, tp: int = 1) -> int:
-    """Bytes one token adds to one layer's cache on one tensor-parallel rank."""
-    kind = arch.layer_types[layer]
-    if kind in ("linear", "shared"):
-        return 0
-    if kind == "mla":
-        assert arch.kv_lora_rank is not None and arch.qk_rope_head_dim is not None
-        if fmt.name == "fp8_ds_mla":
-            return FP8_DS_MLA_BYTES
-        # The latent is not split across ranks: every rank caches all of it.
-        return fmt.mla_bytes(arch.kv_lora_rank + arch.qk_rope_head_dim)
-    k, v = arch.head_dims(layer)
-    return arch.kv_heads_per_rank(tp) * fmt.slot_bytes(k, v)
-
-
-def tokens_held(arch: ModelArch, layer: int, context_tokens: int, max_num_batched_tokens: int = 8192) -> int:
-    """Tokens one request keeps in one layer's cache at a context length (vLLM's sliding bound)."""
-    if arch.layer_types[layer] == "sliding":
-        assert arch.sliding_window is not None
-        return min(arch.sliding_window - 1 + max_num_batched_tokens, context_tokens)
-    return context_tokens

@@ -30,7 +30,7 @@ ALWAYS_SET = BOOL_FACTS | {"model.attention", "gpu.generation", "gpu.vendor", "g
 @functools.cache
 def domains() -> dict[str, frozenset[Any]]:
     """The closed set of values of each enumerated fact (from the catalogs and the decision types)."""
-    from kvpolicy.formats import FORMATS
+    from kvpolicy.facts.formats import FORMATS
     from kvpolicy.inputs.arch import AttentionKind
     from kvpolicy.inputs.catalog import load_gpus
     from kvpolicy.inputs.policy_schema import ScaleSource, TwoLevel

@@ -18,8 +18,8 @@ from typing import Any
 
 from kvpolicy.decision import Decision
 from kvpolicy.errors import PolicyError, did_you_mean
-from kvpolicy.facts import FACTS
-from kvpolicy.formats import FORMATS
+from kvpolicy.facts.build import FACTS
+from kvpolicy.facts.formats import FORMATS
 from kvpolicy.inputs.policy_schema import (
     DECISION_FIELDS,
     AllOf,

@@ -199,7 +199,7 @@ def _case_model(path: Path, spec: str) -> str:
 
 
 def _facts_for(inputs: dict[str, Any], overrides: dict[str, Any], loaded: Any) -> dict[str, Any]:
-    from kvpolicy.facts import FACTS, build_facts
+    from kvpolicy.facts.build import FACTS, build_facts
     from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
     from kvpolicy.inputs.workload import make_workload
 

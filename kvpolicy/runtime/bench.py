@@ -20,7 +20,7 @@ import torch
 
 from kvpolicy.decision import Decision
 from kvpolicy.errors import InputError
-from kvpolicy.estimates import Layout
+from kvpolicy.facts.kv_memory import Layout
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.runtime.caches import BLOCK_SIZE, pages_per_sequence, plan_layers

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpolicy.errors import InputError
-from kvpolicy.estimates import Layout
-from kvpolicy.formats import KvFormat
-from kvpolicy.inputs.arch import ModelArch, layer_kv_bytes_per_token
+from kvpolicy.facts.formats import KvFormat
+from kvpolicy.facts.kv_memory import Layout, layer_kv_bytes_per_token
+from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.runtime.variants import Variant
 
 BLOCK_SIZE = 16
@@ -242,7 +242,7 @@ def allocate(plans: list[LayerPlan], batch: int, max_context: int, device: Any,
         if per_token != plan.bytes_per_token:
             raise RuntimeError(f"layer {plan.index}: the {plan.fmt.name} cache takes {per_token} bytes per token, "
                                f"the KV-bytes formula says {plan.bytes_per_token}: the kernels' layout and "
-                               "kvpolicy.formats disagree.")
+                               "kvpolicy.facts.formats disagree.")
         rows = torch.arange(batch, dtype=torch.int32)[:, None] * pages
         cols = torch.arange(logical, dtype=torch.int32)[None, :] % pages
         c.block_tables = (rows + cols).contiguous().to(device)

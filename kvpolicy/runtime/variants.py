@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 from kvpolicy.decision import Decision
 from kvpolicy.errors import InputError
-from kvpolicy.estimates import variant_key
-from kvpolicy.formats import FORMATS
+from kvpolicy.facts.estimates import variant_key
+from kvpolicy.facts.formats import FORMATS
 
 SCALE_MODIFIERS = {"uncalibrated": "uncalibrated", "per_tensor": "checkpoint_per_tensor",
                    "per_head": "checkpoint_per_head"}

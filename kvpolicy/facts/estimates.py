@@ -1,10 +1,6 @@
 """Capacity, latency and accuracy estimates, each labelled measured or modelled.
 
-Memory follows vLLM's accounting: the KV budget per rank is
-`memory x gpu_memory_utilization - weights / tp - runtime reserve`, every layer
-stores `layer_kv_bytes_per_token` per token it holds, and sliding layers hold at
-most `window - 1 + max_num_batched_tokens` tokens per request.
-
+Capacity comes from vLLM's memory accounting (`kv_memory.py`).
 Latency is the studies' single-request line ITL = slope x context + intercept.
 Where the policy's evidence has a fit for this model on this GPU, the figure is
 measured; otherwise the slope ratio is modelled from the bytes read per token of
@@ -15,105 +11,62 @@ Triton decode kernels measured (attention only) against cuDNN BF16.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from kvpolicy.decision import Decision, Estimate, Estimates
-from kvpolicy.formats import FORMATS, KvFormat
-from kvpolicy.inputs.arch import ModelArch, layer_kv_bytes_per_token, tokens_held
+from pydantic import BaseModel, ConfigDict
+
+from kvpolicy.facts.formats import FORMATS
+from kvpolicy.facts.kernel_figures import kernel_figure
+from kvpolicy.facts.kv_memory import GIB, RUNTIME_RESERVE_GIB, Layout, kv_budget_bytes, max_concurrency
+from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_schema import ItlFit, Policy, resolve_threshold
 from kvpolicy.inputs.workload import Workload
-from kvpolicy.kernel_figures import kernel_slope
 
-GIB = 1 << 30
-RUNTIME_RESERVE_GIB = 2.5
-"""Activations, CUDA graphs and allocator slack vLLM keeps outside the KV cache (modelled; vLLM profiles it)."""
-TURBOQUANT_BOUNDARY_LAYERS = 2
-"""vLLM keeps the first and last two layers of dense models in BF16 under TurboQuant."""
-LONG_CONTEXT_TOKENS = 131072
+Provenance = Literal["measured", "modelled"]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A KV format per layer for one deployment, with its byte counts precomputed."""
-
-    arch: ModelArch
-    formats: tuple[KvFormat, ...]
-    tp: int = 1
-    by_kind: tuple[tuple[str, int], ...] = ()
-    """Bytes per token per rank summed over the layers of each kind."""
-
-    @classmethod
-    def of(cls, arch: ModelArch, dtype: str, skip_layers: list[str] | tuple[str, ...] = (), tp: int = 1) -> Layout:
-        """Per-layer formats for a dtype, honouring skip layers (and TurboQuant's boundary layers)."""
-        key = (id(arch), dtype, tuple(skip_layers), tp)
-        hit = _LAYOUTS.get(key)
-        if hit is not None and hit.arch is arch:
-            return hit
-        chosen = FORMATS[dtype]
-        bf16 = FORMATS["auto"]
-        skip_idx = {int(s) for s in skip_layers if str(s).isdigit()}
-        skip_sliding = "sliding_window" in skip_layers
-        n = arch.num_layers
-        formats = []
-        for i, kind in enumerate(arch.layer_types):
-            keep = i in skip_idx or (skip_sliding and kind == "sliding")
-            if chosen.kind == "turboquant" and (i < TURBOQUANT_BOUNDARY_LAYERS or i >= n - TURBOQUANT_BOUNDARY_LAYERS):
-                keep = True
-            if chosen.kind == "turboquant" and kind == "mla":
-                keep = True
-            formats.append(bf16 if keep else chosen)
-        by_kind: dict[str, int] = {}
-        for i, kind in enumerate(arch.layer_types):
-            b = layer_kv_bytes_per_token(arch, i, formats[i], tp)
-            if b:
-                by_kind[kind] = by_kind.get(kind, 0) + b
-        layout = cls(arch, tuple(formats), tp, tuple(by_kind.items()))
-        # Layouts are pure functions of their key; the arch reference keeps id() unique.
-        _LAYOUTS[key] = layout
-        return layout
-
-    def bytes_by_kind(self) -> dict[str, int]:
-        """Bytes per token per rank, summed over the layers of each kind that hold KV."""
-        return dict(self.by_kind)
-
-    def bytes_per_token(self) -> int:
-        """Bytes per token per rank over all KV-holding layers."""
-        return sum(b for _, b in self.by_kind)
-
-    def request_bytes(self, context_tokens: int) -> int:
-        """Bytes one request at a context length holds per rank (sliding layers capped)."""
-        total = 0
-        for kind, b in self.by_kind:
-            if kind == "sliding":
-                # Every sliding layer holds the same number of tokens (one window bound).
-                first = self.arch.layer_types.index("sliding")
-                total += b * tokens_held(self.arch, first, context_tokens)
-            else:
-                total += b * context_tokens
-        return total
-
-    def growing_bytes(self) -> int:
-        """Bytes read per extra token of context at long context (sliding layers stop growing)."""
-        return sum(b for kind, b in self.by_kind if kind in ("full", "mla")) or self.bytes_per_token()
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-_LAYOUTS: dict[tuple[int, str, tuple[str, ...], int], Layout] = {}
+class Estimate(_Model):
+    """One number with its provenance."""
+
+    value: float | None
+    """The number (None when it cannot be estimated)."""
+    unit: str
+    """Unit, e.g. `tokens`, `bytes`, `ratio`, `ms/token`."""
+    provenance: Provenance
+    """measured (from a study or the user's bench) or modelled (formula)."""
+    basis: str
+    """Source of a measured figure, or the formula and inputs of a modelled one."""
 
 
-def kv_budget_bytes(arch: ModelArch, gpu: GpuSpec, workload: Workload) -> float:
-    """Bytes of KV cache one rank can hold (negative when the weights do not fit)."""
-    usable = gpu.memory_gib * GIB * workload.gpu_memory_utilization
-    return usable - arch.weight_bytes / workload.tp - RUNTIME_RESERVE_GIB * GIB
+class Estimates(_Model):
+    """Predicted effects of the decision."""
 
-
-def max_concurrency(layout: Layout, budget: float, workload: Workload) -> int:
-    """Requests at the workload's context that fit in the budget."""
-    per_request = layout.request_bytes(workload.context_tokens)
-    if budget <= 0 or per_request <= 0:
-        return 0
-    return int(budget // per_request)
+    kv_bytes_per_token: dict[str, int]
+    """Bytes per token per rank by layer kind (summed over the layers of that kind), in the chosen format."""
+    kv_bytes_per_token_bf16: dict[str, int]
+    """The same in BF16, for comparison."""
+    kv_capacity_tokens: Estimate
+    """Tokens of KV the GPU holds (per replica) in the chosen format."""
+    kv_capacity_tokens_bf16: Estimate
+    """The same in BF16."""
+    capacity_vs_bf16: Estimate
+    """Requests at the context that fit, relative to BF16."""
+    max_concurrency: Estimate
+    """Requests at the context that fit in the chosen format."""
+    itl_slope_ratio: Estimate
+    """Decode ITL slope (ms/token of context) relative to BF16."""
+    kernel_slope_ratio: Estimate
+    """Decode-attention slope of kvpolicy's own Triton kernel for the chosen format, relative to cuDNN BF16
+    attention on the same GPU (measured, attention only; vLLM's own kernels are what `itl_slope_ratio` describes)."""
+    break_even_tokens: Estimate
+    """Context above which the chosen format decodes faster than BF16."""
+    accuracy_recovery: Estimate
+    """Expected accuracy relative to BF16 (1.0 = no loss)."""
 
 
 def variant_key(dtype: str, skip_layers: list[str] | tuple[str, ...]) -> str:
@@ -229,11 +182,18 @@ def _recoveries(policy: Policy) -> list[tuple[int, float, str, str]]:
 _RECOVERIES: dict[int, tuple[Policy, list[tuple[int, float, str, str]]]] = {}
 
 
-def estimate(policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload, decision: Decision,
-             facts: dict[str, Any]) -> Estimates:
-    """All estimates for a decision."""
+def kernel_slope(policy: Policy, arch: ModelArch, gpu: GpuSpec, dtype: str) -> Estimate:
+    """Decode-attention slope of kvpolicy's own kernel for a dtype, relative to cuDNN BF16 (measured)."""
+    fig = kernel_figure(policy, arch, gpu, dtype)
+    return Estimate(value=fig.ratio, unit="ratio", provenance="measured" if fig.ratio is not None else "modelled",
+                    basis=fig.basis)
+
+
+def estimate(policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload, kv_cache_dtype: str,
+             skip_layers: list[str], facts: dict[str, Any]) -> Estimates:
+    """All estimates for a decided KV dtype and its skip layers."""
     tp = workload.tp
-    layout = Layout.of(arch, decision.kv_cache_dtype, decision.skip_layers, tp)
+    layout = Layout.of(arch, kv_cache_dtype, skip_layers, tp)
     bf16 = Layout.of(arch, "auto", (), tp)
     budget = kv_budget_bytes(arch, gpu, workload)
     budget_basis = (f"{gpu.memory_gib:g} GiB x {workload.gpu_memory_utilization:g} - weights "
@@ -260,10 +220,9 @@ def estimate(policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload, 
                                         f"{per_req_bf16:,} BF16 / {per_req:,}"),
         max_concurrency=Estimate(value=conc, unit="requests", provenance="modelled",
                                  basis=f"{budget_basis} / {per_req:,} bytes per request (BF16: {conc_bf16})"),
-        itl_slope_ratio=slope_ratio(policy, arch, gpu, layout, decision.kv_cache_dtype, decision.skip_layers,
-                                    tp, facts),
-        kernel_slope_ratio=kernel_slope(policy, arch, gpu, decision.kv_cache_dtype),
-        break_even_tokens=break_even(policy, arch, gpu, decision.kv_cache_dtype, decision.skip_layers, facts),
-        accuracy_recovery=recovery(policy, decision.kv_cache_dtype, workload.context_tokens),
+        itl_slope_ratio=slope_ratio(policy, arch, gpu, layout, kv_cache_dtype, skip_layers, tp, facts),
+        kernel_slope_ratio=kernel_slope(policy, arch, gpu, kv_cache_dtype),
+        break_even_tokens=break_even(policy, arch, gpu, kv_cache_dtype, skip_layers, facts),
+        accuracy_recovery=recovery(policy, kv_cache_dtype, workload.context_tokens),
     )
 

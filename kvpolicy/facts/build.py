@@ -9,18 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpolicy.estimates import (
-    Layout,
-    break_even,
-    kv_budget_bytes,
-    max_concurrency,
-    recovery,
-)
+from kvpolicy.facts.estimates import break_even, recovery
+from kvpolicy.facts.kernel_figures import kernel_figure
+from kvpolicy.facts.kv_memory import Layout, kv_budget_bytes, max_concurrency
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_schema import Policy
 from kvpolicy.inputs.workload import Workload
-from kvpolicy.kernel_figures import kernel_figure
 
 FACTS: dict[str, str] = {
     "model.id": "catalog id of the model",

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpolicy.decision import Estimate
-from kvpolicy.formats import FORMATS
+from kvpolicy.facts.formats import FORMATS
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_schema import KernelMeasurement, Policy
@@ -44,13 +43,6 @@ def kernel_column(dtype: str) -> str | None:
     if fmt.kind == "fp8":
         return "fp8" if fmt.fp8_variant == "e4m3" else None
     return dtype
-
-
-def kernel_slope(policy: Policy, arch: ModelArch, gpu: GpuSpec, dtype: str) -> Estimate:
-    """Decode-attention slope of kvpolicy's own kernel for a dtype, relative to cuDNN BF16 (measured)."""
-    fig = kernel_figure(policy, arch, gpu, dtype)
-    return Estimate(value=fig.ratio, unit="ratio", provenance="measured" if fig.ratio is not None else "modelled",
-                    basis=fig.basis)
 
 
 def kernel_figure(policy: Policy, arch: ModelArch, gpu: GpuSpec, dtype: str) -> KernelFigure:

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Literal
 
-from kvpolicy.decision import Decision
+from kvpolicy.rules.decision import Decision
 
 Strategy = Literal["tensor", "attn_head"]
 

@@ -6,14 +6,14 @@ call; nothing else assembles a Recommendation.
 
 from __future__ import annotations
 
-from kvpolicy.decision import EvidenceRef, Recommendation, Trace
 from kvpolicy.facts.build import build_facts
 from kvpolicy.facts.estimates import estimate
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_loader import LoadedPolicy
 from kvpolicy.inputs.workload import Workload
-from kvpolicy.policy.engine import decide
+from kvpolicy.rules.decision import EvidenceRef, Recommendation, Trace
+from kvpolicy.rules.engine import decide
 from kvpolicy.vllm_flags import serve_args
 
 def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedPolicy) -> Recommendation:

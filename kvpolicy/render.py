@@ -8,8 +8,8 @@ import shlex
 import sys
 from typing import Any
 
-from kvpolicy.decision import Recommendation
 from kvpolicy.facts.estimates import Estimate
+from kvpolicy.rules.decision import Recommendation
 from kvpolicy.vllm_flags import realisation
 
 FORMATS = ("table", "json", "yaml", "args")

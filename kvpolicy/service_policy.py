@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import PolicyError
-from kvpolicy.inputs.policy_loader import BUILTIN, LoadedPolicy, load_policy
+from kvpolicy.inputs.policy_loader import BUILTIN, LoadedPolicy
 from kvpolicy.inputs.yamlio import read_text
+from kvpolicy.rules.validate import load_policy
 
 log = logging.getLogger("kvpolicy.serve")
 
@@ -73,8 +74,8 @@ def validate(spec: str) -> LoadedPolicy:
     """
     from kvpolicy.inputs.catalog import load_gpus, load_models
     from kvpolicy.inputs.workload import make_workload
-    from kvpolicy.policy.engine import check_references
     from kvpolicy.recommend import recommend
+    from kvpolicy.rules.validate import check_references
 
     loaded = load_policy(spec, read=_read_nonempty)
     check_references(loaded.policy)

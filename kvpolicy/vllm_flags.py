@@ -16,8 +16,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kvpolicy.decision import Decision
 from kvpolicy.inputs.workload import Workload
+from kvpolicy.rules.decision import Decision
 
 Version = tuple[int, int, int]
 

@@ -17,8 +17,8 @@ from ruamel.yaml import YAML
 from kvpolicy import vllm_launch
 from kvpolicy.calibrate import checkpoint_strategy, recipe_yaml, scale_gap
 from kvpolicy.cli import main
-from kvpolicy.decision import Decision
 from kvpolicy.inputs.workload import Workload
+from kvpolicy.rules.decision import Decision
 from kvpolicy.vllm_flags import (canonical_flag, merge_user_args, parse_version, plan_flags, retired_flag,
                                  serve_args)
 from kvpolicy.vllm_launch import Validation, VllmInstall, config_mapping, config_yaml

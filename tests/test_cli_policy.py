@@ -151,10 +151,10 @@ def test_committed_schemas_are_fresh(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("path,schema", [
-    ("policies/default.yaml", "policy"), ("policies/examples/team/kvpolicy.yaml", "policy"),
-    ("policies/examples/starter/kvpolicy.yaml", "policy"), ("policies/default_test.yaml", "policy-test"),
+    ("kvpolicy/rules/default.yaml", "policy"), ("policies/examples/team/kvpolicy.yaml", "policy"),
+    ("kvpolicy/policy/examples/starter/kvpolicy.yaml", "policy"), ("kvpolicy/rules/default_test.yaml", "policy-test"),
     ("policies/examples/team/kvpolicy_test.yaml", "policy-test"),
-    ("policies/examples/starter/kvpolicy_test.yaml", "policy-test")])
+    ("kvpolicy/policy/examples/starter/kvpolicy_test.yaml", "policy-test")])
 def test_shipped_yaml_validates_against_the_published_schema(path, schema):
     jsonschema = pytest.importorskip("jsonschema")
     published = json.loads((ROOT / "schemas" / f"{schema}.schema.json").read_text())
@@ -164,7 +164,7 @@ def test_shipped_yaml_validates_against_the_published_schema(path, schema):
     assert first.startswith("# yaml-language-server: $schema=") and first.endswith(f"/{schema}.schema.json")
 
 
-@pytest.mark.parametrize("argv", [["lint", "policies/"], ["test", "policies/"],
+@pytest.mark.parametrize("argv", [["lint", "kvpolicy/rules/"], ["test", "policies/"],
                                   ["explain", "-m", "gpt-oss-20b", "-g", "h100", "-f", "json"],
                                   ["check", "policies/examples/team/kvpolicy.yaml"]])
 def test_policy_commands_do_not_load_heavy_modules(argv):

@@ -12,7 +12,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from kvpolicy.cli import main
-from kvpolicy.decision import Recommendation
+from kvpolicy.rules.decision import Recommendation
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 HEAVY = ("torch", "triton", "vllm", "starlette", "uvicorn", "transformers", "numpy", "matplotlib")

@@ -7,15 +7,15 @@ import json
 import pytest
 
 from kvpolicy.cli import main
-from kvpolicy.decision import Recommendation
 from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
-from kvpolicy.inputs.policy_loader import load_policy
 from kvpolicy.inputs.workload import make_workload
 from kvpolicy.recommend import recommend
+from kvpolicy.rules.decision import Recommendation
+from kvpolicy.rules.validate import load_policy
 
 
 def _h200_slopes(geometry: str) -> dict[str, float]:
-    """The H200 figures of `kvpolicy-kernels-h200` in policies/default.yaml (slope ns/token, batch 8):
+    """The H200 figures of `kvpolicy-kernels-h200` in kvpolicy/rules/default.yaml (slope ns/token, batch 8):
     read from the policy, so a re-recorded run changes them in one place."""
     entry = next(e for e in load_policy().policy.evidence if e.id == "kvpolicy-kernels-h200")
     m = next(k for k in entry.kernels if k.geometry == geometry)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvpolicy.decision import Recommendation
 from kvpolicy.fielddocs import attach_docstrings, field_docstrings, model_tree
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_schema import Policy
+from kvpolicy.rules.decision import Recommendation
 
 ROOTS = [Policy, Recommendation, ModelArch, GpuSpec]
 

@@ -26,10 +26,10 @@ import pytest
 
 from kvpolicy.cli import main
 from kvpolicy.inputs.catalog import load_models, resolve_gpu, resolve_model
-from kvpolicy.inputs.policy_loader import load_policy
 from kvpolicy.inputs.workload import make_workload
 from kvpolicy.recommend import recommend
 from kvpolicy.render import render
+from kvpolicy.rules.validate import load_policy
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("KVPOLICY_UPDATE_GOLDEN") == "1"

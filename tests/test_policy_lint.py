@@ -93,8 +93,8 @@ def test_inherited_rules_hidden_by_a_new_rule_are_reported_once_at_the_new_rule(
     assert findings[0].line == 5 and "KV106" in findings[0].message and "KV107" in findings[0].message
 
 
-@pytest.mark.parametrize("policy", ["policies/default.yaml", "policies/examples/team/kvpolicy.yaml",
-                                    "policies/examples/starter/kvpolicy.yaml"])
+@pytest.mark.parametrize("policy", ["kvpolicy/rules/default.yaml", "policies/examples/team/kvpolicy.yaml",
+                                    "kvpolicy/policy/examples/starter/kvpolicy.yaml"])
 def test_shipped_policies_are_clean(policy):
     assert lint_path(ROOT / policy) == []
 

@@ -10,8 +10,8 @@ import pytest
 
 from kvpolicy.cli import main
 from kvpolicy.errors import InputError, PolicyError
-from kvpolicy.inputs.policy_loader import load_policy
 from kvpolicy.inputs.policy_schema import resolve_threshold
+from kvpolicy.rules.validate import load_policy
 
 HEADER = "version: 1\nname: team\nextends: builtin:default\n"
 

@@ -17,11 +17,11 @@ from kvpolicy.errors import KvPolicyError
 from kvpolicy.facts.build import FACTS
 from kvpolicy.facts.formats import FORMATS
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
-from kvpolicy.inputs.policy_loader import load_policy
 from kvpolicy.inputs.policy_schema import DECISION_FIELDS
 from kvpolicy.inputs.workload import make_workload
-from kvpolicy.policy.engine import decide
 from kvpolicy.recommend import recommend
+from kvpolicy.rules.engine import decide
+from kvpolicy.rules.validate import load_policy
 
 BUILTIN = load_policy()
 RULE_IDS = [r.id for r in BUILTIN.policy.rules]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvpolicy.cli import main
-from kvpolicy.inputs.policy_loader import load_policy
 from kvpolicy.policy.testing import Case, Expect, Fixture, PolicyTestFile, run_file
+from kvpolicy.rules.validate import load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = "version: 1\nname: team\nextends: builtin:default\n"
@@ -22,7 +22,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_builtin_policy_tests_pass_and_cover_every_rule():
-    result = run_file(ROOT / "policies" / "default_test.yaml")
+    result = run_file(ROOT / "kvpolicy" / "rules" / "default_test.yaml")
     assert result.error is None
     failed = [(c.name, c.status, c.message, c.mismatches) for c in result.cases if c.status != "PASS"]
     assert not failed
@@ -38,10 +38,10 @@ def test_builtin_policy_tests_pass_and_cover_every_rule():
 
 def test_kvpolicy_test_policies_folder_passes(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    code, out, err = run_cli(capsys, "test", "policies/", "--fail-on-empty")
+    code, out, err = run_cli(capsys, "test", "kvpolicy/rules/", "--fail-on-empty")
     assert code == 0, out + err
     assert "0 failed, 0 errors" in out
-    assert "coverage: policies/default.yaml: all 26 rules and pins it defines fired" in out
+    assert "coverage: kvpolicy/rules/default.yaml: all 26 rules and pins it defines fired" in out
 
 
 @pytest.fixture

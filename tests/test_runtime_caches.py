@@ -170,7 +170,7 @@ def test_fill_writes_every_slot_a_shorter_context_can_read():
 
 def test_cache_layout_follows_the_backend_vllm_would_use():
     """FlashInfer on Blackwell keeps heads contiguous per page (HND); everything else kvpolicy selects is NHD."""
-    from kvpolicy.decision import Decision
+    from kvpolicy.rules.decision import Decision
     from kvpolicy.runtime.variants import cache_layout, variant_list
 
     flashinfer = Decision(kv_cache_dtype="fp8", attention_backend="FLASHINFER")

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpolicy.decision import Decision
 from kvpolicy.errors import PolicyError
 from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
-from kvpolicy.inputs.policy_loader import load_policy
 from kvpolicy.inputs.workload import make_workload
 from kvpolicy.recommend import recommend
+from kvpolicy.rules.decision import Decision
+from kvpolicy.rules.validate import load_policy
 from kvpolicy.runtime.fit import LineFit, break_even_tokens, fit_line
 from kvpolicy.runtime.record import evidence_id, record_bench
 from kvpolicy.runtime.results import BenchFit, BenchResult, Environment, VariantInfo

@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="the runtime needs torch (pip install -e .[kernels])")
 
 from kvpolicy.cli import main
-from kvpolicy.decision import Decision
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.catalog import resolve_gpu
+from kvpolicy.rules.decision import Decision
 from kvpolicy.runtime.needle import (
     MARGIN_NATS,
     geometry_plan,

@@ -24,9 +24,9 @@ from hypothesis import strategies as st  # noqa: E402
 from kvpolicy.api import MAX_BODY_BYTES, MAX_CHECK_DEPLOYMENTS, RecommendRequest  # noqa: E402
 from kvpolicy.commands.catalogs import schemas  # noqa: E402
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
-from kvpolicy.inputs.policy_loader import load_policy
 from kvpolicy.inputs.workload import Workload, make_workload
 from kvpolicy.recommend import recommend
+from kvpolicy.rules.validate import load_policy
 
 POLICY = """\
 version: 1

@@ -20,8 +20,8 @@ from kvpolicy.commands.common import add_deployment_args
 from kvpolicy.errors import InputError, PolicyFailure
 
 if TYPE_CHECKING:
-    from kvpolicy.decision import Recommendation
     from kvpolicy.inputs.arch import ModelArch
+    from kvpolicy.rules.decision import Recommendation
 
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
@@ -95,8 +95,8 @@ def decide(args: argparse.Namespace) -> tuple[Recommendation, ModelArch, str]:
     from kvpolicy.recommend import recommend
 
     if args.deployment:
-        from kvpolicy.inputs.policy_loader import load_policy
         from kvpolicy.policy.deployments import deployment_inputs, find_deployment
+        from kvpolicy.rules.validate import load_policy
 
         if args.model or args.gpu:
             raise InputError("--deployment gives the model and GPU: leave out --model and --gpu, or the deployment.")

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rule(args: argparse.Namespace) -> int:
-    from kvpolicy.inputs.policy_loader import load_policy
+    from kvpolicy.rules.validate import load_policy
 
     loaded = load_policy(args.policy)
     rules = loaded.policy.rules
@@ -111,8 +111,8 @@ def _gpus(args: argparse.Namespace) -> int:
 
 def schemas() -> dict[str, dict]:
     """The published JSON Schemas by file name."""
-    from kvpolicy.decision import Recommendation
     from kvpolicy.inputs.policy_schema import Policy
+    from kvpolicy.rules.decision import Recommendation
 
     from kvpolicy.fielddocs import attach_docstrings
 

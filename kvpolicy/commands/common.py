@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from kvpolicy.errors import InputError
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
-from kvpolicy.inputs.policy_loader import LoadedPolicy, load_policy
+from kvpolicy.inputs.policy_loader import LoadedPolicy
 from kvpolicy.inputs.workload import Workload
+from kvpolicy.rules.validate import load_policy
 
 
 def positive_int(flag: str):  # noqa: ANN201 - argparse type factory

@@ -198,8 +198,8 @@ def _policy_path(given: str | None) -> str:
 
 def _check(args: argparse.Namespace) -> int:
     from kvpolicy.commands.policy_output import render_check
-    from kvpolicy.inputs.policy_loader import load_policy
     from kvpolicy.policy.deployments import check_deployment, find_deployment
+    from kvpolicy.rules.validate import load_policy
 
     loaded = load_policy(_policy_path(args.policy))
     deps = [find_deployment(loaded, n) for n in args.deployment] or loaded.policy.deployments

@@ -45,8 +45,8 @@ def _deployment_inputs(args: argparse.Namespace) -> Inputs:
     from pathlib import Path
 
     from kvpolicy.errors import InputError
-    from kvpolicy.inputs.policy_loader import load_policy
     from kvpolicy.policy.deployments import deployment_inputs, find_deployment
+    from kvpolicy.rules.validate import load_policy
 
     if args.model or args.gpu:
         raise InputError("--deployment takes the model, GPU and workload from the policy; drop --model/--gpu "

@@ -105,9 +105,9 @@ def _resolve(args: argparse.Namespace, longest: int) -> tuple[Any, Any, Any, Any
     import torch
 
     from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
-    from kvpolicy.inputs.policy_loader import load_policy
     from kvpolicy.inputs.workload import make_workload
     from kvpolicy.recommend import recommend
+    from kvpolicy.rules.validate import load_policy
 
     loaded = load_policy(args.policy)
     arch = resolve_model(args.model)

@@ -1,8 +1,9 @@
-"""Load a policy file: parse, resolve `extends`, merge, validate.
+"""Read a policy file: parse, resolve `extends`, merge, validate against the schema.
 
 Each file is validated on its own first (so errors point at its lines), then
-merged, then the merged policy is validated and its references (facts,
-thresholds, dtypes, rule ids in `disable`/`order`) are checked.
+merged, then the merged policy is validated and the rule ids in `disable`/`order`
+are checked. Names the rules stage defines (facts, dtypes) are checked by
+`rules.validate.load_policy`, which is what commands call.
 
 Merge rules (child = the extending file):
 - thresholds: per name, the child's keys replace the parent's, `values` merge
@@ -63,14 +64,20 @@ class LoadedPolicy:
         return f"{self.policy.name}@{self.content_hash}"
 
 
+def _builtin_root() -> Any:
+    # The built-in policies are the rules stage's data (kvpolicy/rules/*.yaml), read as package files:
+    # no module of the rules stage is imported.
+    return resources.files("kvpolicy") / "rules"
+
+
 def builtin_names() -> list[str]:
     """Names of the built-in policies."""
-    root = resources.files("kvpolicy.policies")
+    root = _builtin_root()
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
 def _builtin_text(name: str) -> str:
-    root = resources.files("kvpolicy.policies")
+    root = _builtin_root()
     f = root / f"{name}.yaml"
     if not f.is_file():
         raise PolicyError(
@@ -96,13 +103,13 @@ def _read(spec: str, base: Path | None, read: Reader) -> tuple[str, str, Path | 
     return str(path), read(path), path.parent
 
 
-def load_policy(spec: str | Path | None = None, *, read: Reader | None = None) -> LoadedPolicy:
-    """Load a policy by path or `builtin:NAME` (default: the built-in policy).
+def read_policy(spec: str | Path | None = None, *, read: Reader | None = None) -> LoadedPolicy:
+    """Read a policy by path or `builtin:NAME` (default: the built-in policy), without checking its names.
 
     Raises PolicyError or InputError (exit code 2) with file:line:col for every
     problem: malformed YAML, schema errors, unknown keys, missing or circular
-    `extends`, unknown facts, thresholds, dtypes or rule ids. `read` replaces
-    the file reader (e.g. to read a git revision).
+    `extends`, unknown rule ids. `read` replaces the file reader (e.g. to read a
+    git revision).
     """
     spec = str(spec) if spec is not None else DEFAULT_POLICY
     reader = read or read_text
@@ -160,9 +167,7 @@ def load_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
     # A file that extends nothing is its own merged policy: validated above already.
     policy = alone if len(layers) == 1 else _validate(merged, layers[0][1], chain[0], Policy)
     digest = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:12]
-    loaded = LoadedPolicy(policy=policy, chain=chain, content_hash=digest, raw=raws)
-    _check_references(loaded)
-    return loaded
+    return LoadedPolicy(policy=policy, chain=chain, content_hash=digest, raw=raws)
 
 
 def _at_extends(layer: tuple[str, Any], message: str, cls: type[KvPolicyError] = PolicyError) -> KvPolicyError:
@@ -185,33 +190,6 @@ def _check_rule_ids(child: dict[str, Any], inherited: list[Any], name: str, raw:
                                         pos[1] if pos else None, kind="reference"))
     if problems:
         raise located_error(problems)
-
-
-def _check_references(loaded: LoadedPolicy) -> None:
-    """Unknown facts, thresholds and dtypes, each with the line that names it."""
-    from kvpolicy.inputs.policy_sources import Sources
-    from kvpolicy.policy.engine import reference_problems
-
-    refs = reference_problems(loaded.policy)
-    if not refs:
-        return
-    src = Sources.of(loaded)
-    problems = []
-    for ref in refs:
-        if ref.owner == "rule":
-            found = src.item("rules", "id", ref.name)
-        elif ref.owner == "pin":
-            found = src.item("pins", "name", ref.name)
-        else:
-            found = next(((n, ("defaults",)) for n in loaded.chain
-                          if isinstance(loaded.raw.get(n), dict) and "defaults" in loaded.raw[n]), None)
-        if found is None:
-            problems.append(Problem(loaded.chain[0], ref.message, kind="reference"))
-            continue
-        where = src.find(found[0], found[1], ref.key, ref.value)
-        problems.append(src.problem(where, ref.message))
-    raise located_error(problems)
-
 
 
 def _validate(plain: dict[str, Any], raw: Any, where: str, model: type[Policy]) -> Policy:

@@ -15,10 +15,10 @@ from kvpolicy.inputs.policy_schema import Deployment
 from kvpolicy.inputs.policy_sources import Sources
 
 if TYPE_CHECKING:
-    from kvpolicy.decision import Recommendation
     from kvpolicy.inputs.arch import ModelArch
     from kvpolicy.inputs.gpus import GpuSpec
     from kvpolicy.inputs.workload import Workload
+    from kvpolicy.rules.decision import Recommendation
 
 
 def find_deployment(loaded: LoadedPolicy, name: str) -> Deployment:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import InputError, KvPolicyError
-from kvpolicy.inputs.policy_loader import LoadedPolicy, Reader, load_policy
+from kvpolicy.inputs.policy_loader import LoadedPolicy, Reader
 from kvpolicy.inputs.policy_schema import DECISION_FIELDS, Deployment, Policy
+from kvpolicy.rules.validate import load_policy
 
 
 def split_revision(spec: str) -> tuple[str, str | None]:

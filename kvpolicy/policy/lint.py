@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import InputError, KvPolicyError
-from kvpolicy.inputs.policy_loader import BUILTIN, LoadedPolicy, load_policy
+from kvpolicy.inputs.policy_loader import BUILTIN, LoadedPolicy
 from kvpolicy.inputs.policy_sources import Sources
 from kvpolicy.inputs.yamlio import error_problems
+from kvpolicy.rules.validate import load_policy
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from kvpolicy.errors import KvPolicyError, did_you_mean
 from kvpolicy.inputs.policy_schema import DECISION_FIELDS
 from kvpolicy.policy.analysis import domains, fact_kind, implies, unsatisfiable
-from kvpolicy.policy.engine import fact_paths, threshold_refs
 from kvpolicy.policy.lint import CODE_THRESHOLDS, DECISION_FACT_FIELD
+from kvpolicy.rules.engine import fact_paths, threshold_refs
 
 if TYPE_CHECKING:
     from kvpolicy.policy.lint import _Linter

@@ -1,6 +1,6 @@
 """`kvpolicy init`: a commented starter policy and its tests, with editor validation.
 
-The files come from `policies/examples/starter/` (linted and tested with the
+The files come from `kvpolicy/policy/examples/starter/` (linted and tested with the
 built-in policy, so the starter never rots). Their first line points editors at
 the JSON Schema (`# yaml-language-server: $schema=...`). The reference must work
 offline and on every clone, so it is a relative path: to the repository's own
@@ -28,7 +28,7 @@ _SCHEMA_LINE = re.compile(r"^# yaml-language-server: \$schema=.*$", re.M)
 
 
 def _template(name: str) -> str:
-    return (resources.files("kvpolicy.policies") / "examples" / "starter" / name).read_text(encoding="utf-8")
+    return (resources.files("kvpolicy.policy") / "examples" / "starter" / name).read_text(encoding="utf-8")
 
 
 def _default_name(folder: Path) -> str:

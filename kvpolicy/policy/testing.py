@@ -119,9 +119,9 @@ def policy_for(path: Path, tests: PolicyTestFile) -> str:
 
 def run_file(path: Path, run: re.Pattern[str] | None = None) -> FileResult:
     """Run every case of one test file (a file-level problem is reported in `error`)."""
-    from kvpolicy.inputs.policy_loader import load_policy
     from kvpolicy.inputs.policy_sources import Sources
     from kvpolicy.inputs.yamlio import error_problems, position
+    from kvpolicy.rules.validate import load_policy
 
     result = FileResult(file=str(path))
     try:
@@ -228,7 +228,7 @@ def _facts_for(inputs: dict[str, Any], overrides: dict[str, Any], loaded: Any) -
 
 
 def _run_case(path: Path, tests: PolicyTestFile, case: Case, loaded: Any) -> CaseResult:
-    from kvpolicy.policy.engine import decide
+    from kvpolicy.rules.engine import decide
 
     expect = case.expect
     known = {r.id for r in loaded.policy.rules} | {f"pin:{p.name}" for p in loaded.policy.pins} | {"default"}

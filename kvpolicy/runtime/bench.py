@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import torch
 
-from kvpolicy.decision import Decision
 from kvpolicy.errors import InputError
 from kvpolicy.facts.kv_memory import Layout
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
+from kvpolicy.rules.decision import Decision
 from kvpolicy.runtime.caches import BLOCK_SIZE, pages_per_sequence, plan_layers
 from kvpolicy.runtime.fit import break_even_tokens, fit_line
 from kvpolicy.runtime.results import (

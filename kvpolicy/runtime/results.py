@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvpolicy.decision import Decision
+from kvpolicy.rules.decision import Decision
 
 
 class _Model(BaseModel):

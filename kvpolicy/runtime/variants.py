@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvpolicy.decision import Decision
 from kvpolicy.errors import InputError
 from kvpolicy.facts.estimates import variant_key
 from kvpolicy.facts.formats import FORMATS
+from kvpolicy.rules.decision import Decision
 
 SCALE_MODIFIERS = {"uncalibrated": "uncalibrated", "per_tensor": "checkpoint_per_tensor",
                    "per_head": "checkpoint_per_head"}

@@ -17,9 +17,9 @@ from dataclasses import replace
 import torch
 from pydantic import Field
 
-from kvpolicy.decision import Decision
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
+from kvpolicy.rules.decision import Decision
 from kvpolicy.runtime.needle import (
     MARGIN_NATS,
     NEEDLE_LIFT,

@@ -16,9 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpolicy.decision import Decision
-from kvpolicy.errors import PolicyError, did_you_mean
-from kvpolicy.facts.build import FACTS
+from kvpolicy.errors import PolicyError
 from kvpolicy.facts.formats import FORMATS
 from kvpolicy.inputs.policy_schema import (
     DECISION_FIELDS,
@@ -32,6 +30,7 @@ from kvpolicy.inputs.policy_schema import (
     ThresholdRef,
     resolve_threshold,
 )
+from kvpolicy.rules.decision import Decision
 
 _SYMBOL = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "in": "in",
            "not_in": "not in", "glob": "matches", "exists": "exists"}
@@ -77,53 +76,6 @@ def threshold_refs(cond: Condition | None) -> list[str]:
     if isinstance(cond, AnyOf):
         return [t for c in cond.any for t in threshold_refs(c)]
     return threshold_refs(cond.not_)
-
-
-@dataclass
-class Reference:
-    """A name a policy uses that does not exist (a fact, threshold or KV dtype)."""
-
-    owner: str
-    """rule, pin or defaults."""
-    name: str
-    """Rule id or pin name ("" for defaults)."""
-    key: str
-    """The YAML key that holds the name: fact, threshold or kv_cache_dtype."""
-    value: str
-    """The unknown name."""
-    message: str
-    """What is wrong, with the closest known names."""
-
-
-def reference_problems(policy: Policy) -> list[Reference]:
-    """Unknown facts, thresholds and dtypes a policy names."""
-    problems: list[Reference] = []
-    conds = [("rule", r.id, r.when) for r in policy.rules] + [("pin", p.name, p.when) for p in policy.pins]
-    for owner, name, cond in conds:
-        for path in fact_paths(cond):
-            if path not in FACTS:
-                problems.append(Reference(owner, name, "fact", path, f"{owner} {name}: unknown fact `{path}`."
-                                          f"{did_you_mean(path, FACTS)} `kvpolicy facts` lists them."))
-        for ref in threshold_refs(cond):
-            if ref not in policy.thresholds:
-                problems.append(Reference(owner, name, "threshold", ref, f"{owner} {name}: unknown threshold `{ref}`."
-                                          f"{did_you_mean(ref, policy.thresholds)} Define it under `thresholds:`."))
-    patches = [("rule", r.id, r.then) for r in policy.rules] + [("pin", p.name, p.set) for p in policy.pins]
-    patches.append(("defaults", "", policy.defaults))
-    for owner, name, patch in patches:
-        dtype = patch.kv_cache_dtype
-        if dtype is not None and dtype not in FORMATS:
-            where = f"{owner} {name}".strip()
-            problems.append(Reference(owner, name, "kv_cache_dtype", dtype, f"{where}: unknown kv_cache_dtype "
-                                      f"`{dtype}`.{did_you_mean(dtype, FORMATS)} Allowed: {', '.join(FORMATS)}."))
-    return problems
-
-
-def check_references(policy: Policy) -> None:
-    """Raise PolicyError for unknown facts, thresholds or dtypes a policy names."""
-    problems = reference_problems(policy)
-    if problems:
-        raise PolicyError("\n".join(p.message for p in problems))
 
 
 Check = Callable[[dict[str, Any]], tuple[bool, str]]

@@ -1,1 +1,0 @@
-"""Built-in policies (YAML data); installed as kvpolicy.policies."""

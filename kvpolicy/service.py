@@ -47,7 +47,7 @@ from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.workload import make_workload
-from kvpolicy.recommend import recommend
+from kvpolicy.outputs.recommend import recommend
 from kvpolicy.rules.decision import Recommendation
 from kvpolicy.service_metrics import Metrics
 from kvpolicy.service_policy import PolicyHolder, Snapshot

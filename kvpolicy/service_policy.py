@@ -74,7 +74,7 @@ def validate(spec: str) -> LoadedPolicy:
     """
     from kvpolicy.inputs.catalog import load_gpus, load_models
     from kvpolicy.inputs.workload import make_workload
-    from kvpolicy.recommend import recommend
+    from kvpolicy.outputs.recommend import recommend
     from kvpolicy.rules.validate import check_references
 
     loaded = load_policy(spec, read=_read_nonempty)

@@ -14,14 +14,20 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from kvpolicy import vllm_launch
-from kvpolicy.calibrate import checkpoint_strategy, recipe_yaml, scale_gap
 from kvpolicy.cli import main
 from kvpolicy.inputs.workload import Workload
+from kvpolicy.outputs import vllm_launch
+from kvpolicy.outputs.calibrate import checkpoint_strategy, recipe_yaml, scale_gap
+from kvpolicy.outputs.vllm_flags import (
+    canonical_flag,
+    merge_user_args,
+    parse_version,
+    plan_flags,
+    retired_flag,
+    serve_args,
+)
+from kvpolicy.outputs.vllm_launch import Validation, VllmInstall, config_mapping, config_yaml
 from kvpolicy.rules.decision import Decision
-from kvpolicy.vllm_flags import (canonical_flag, merge_user_args, parse_version, plan_flags, retired_flag,
-                                 serve_args)
-from kvpolicy.vllm_launch import Validation, VllmInstall, config_mapping, config_yaml
 
 FP8_H100 = Decision(kv_cache_dtype="fp8", skip_layers=["sliding_window"], two_level_accumulation="on",
                     attention_backend="FLASH_ATTN")
@@ -344,7 +350,7 @@ def test_calibrate_when_nothing_needs_calibrating(capsys):
 
 
 def test_apply_module_does_not_import_vllm():
-    code = ("import sys; import kvpolicy.commands.apply, kvpolicy.vllm_launch, kvpolicy.calibrate; "
+    code = ("import sys; import kvpolicy.commands.apply, kvpolicy.outputs.vllm_launch, kvpolicy.outputs.calibrate; "
             "print([m for m in ('vllm', 'torch', 'transformers') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).parents[1])

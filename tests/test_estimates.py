@@ -9,7 +9,7 @@ import pytest
 from kvpolicy.cli import main
 from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
 from kvpolicy.inputs.workload import make_workload
-from kvpolicy.recommend import recommend
+from kvpolicy.outputs.recommend import recommend
 from kvpolicy.rules.decision import Recommendation
 from kvpolicy.rules.validate import load_policy
 

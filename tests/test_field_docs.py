@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpolicy.fielddocs import attach_docstrings, field_docstrings, model_tree
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_schema import Policy
+from kvpolicy.outputs.fielddocs import attach_docstrings, field_docstrings, model_tree
 from kvpolicy.rules.decision import Recommendation
 
 ROOTS = [Policy, Recommendation, ModelArch, GpuSpec]

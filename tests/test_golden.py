@@ -27,8 +27,8 @@ import pytest
 from kvpolicy.cli import main
 from kvpolicy.inputs.catalog import load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.workload import make_workload
-from kvpolicy.recommend import recommend
-from kvpolicy.render import render
+from kvpolicy.outputs.recommend import recommend
+from kvpolicy.outputs.render import render
 from kvpolicy.rules.validate import load_policy
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -19,7 +19,7 @@ from kvpolicy.facts.formats import FORMATS
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.policy_schema import DECISION_FIELDS
 from kvpolicy.inputs.workload import make_workload
-from kvpolicy.recommend import recommend
+from kvpolicy.outputs.recommend import recommend
 from kvpolicy.rules.engine import decide
 from kvpolicy.rules.validate import load_policy
 

@@ -173,7 +173,7 @@ def test_unknown_fixture_deployment_and_fact(repo):
 
 
 def test_test_file_models_are_documented():
-    from kvpolicy.fielddocs import field_docstrings
+    from kvpolicy.outputs.fielddocs import field_docstrings
 
     for model in (PolicyTestFile, Case, Fixture, Expect):
         docs: dict[str, str] = {}

@@ -10,7 +10,7 @@ from kvpolicy.facts.formats import FORMATS
 from kvpolicy.facts.kv_memory import layer_kv_bytes_per_token
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.workload import make_workload, parse_tokens
-from kvpolicy.recommend import recommend
+from kvpolicy.outputs.recommend import recommend
 from kvpolicy.rules.decision import Recommendation
 from kvpolicy.rules.validate import load_policy
 

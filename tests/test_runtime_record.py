@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvpolicy.errors import PolicyError
 from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
 from kvpolicy.inputs.workload import make_workload
-from kvpolicy.recommend import recommend
+from kvpolicy.outputs.recommend import recommend
 from kvpolicy.rules.decision import Decision
 from kvpolicy.rules.validate import load_policy
 from kvpolicy.runtime.fit import LineFit, break_even_tokens, fit_line

@@ -25,7 +25,7 @@ from kvpolicy.api import MAX_BODY_BYTES, MAX_CHECK_DEPLOYMENTS, RecommendRequest
 from kvpolicy.commands.catalogs import schemas  # noqa: E402
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.workload import Workload, make_workload
-from kvpolicy.recommend import recommend
+from kvpolicy.outputs.recommend import recommend
 from kvpolicy.rules.validate import load_policy
 
 POLICY = """\
@@ -523,7 +523,7 @@ def test_other_commands_do_not_import_the_server_stack(team_file):
 
 def test_api_fields_are_documented():
     from kvpolicy import api
-    from kvpolicy.fielddocs import field_docstrings, model_tree
+    from kvpolicy.outputs.fielddocs import field_docstrings, model_tree
 
     for root in (api.RecommendRequest, api.CheckRequest, api.CheckResponse, api.ErrorBody):
         for model in model_tree(root):

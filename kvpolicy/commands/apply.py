@@ -1,8 +1,8 @@
 """`kvpolicy apply`: turn a decision into a running vLLM server, validated by vLLM itself.
 
 The decision becomes a `vllm serve` argument list spelled for the target vLLM
-version (`kvpolicy.vllm_flags`); the user's flags after `--` win. The installed
-vLLM's own parser and CacheConfig check it (`kvpolicy.vllm_launch`); then
+version (`kvpolicy.outputs.vllm_flags`); the user's flags after `--` win. The installed
+vLLM's own parser and CacheConfig check it (`kvpolicy.outputs.vllm_launch`); then
 `--dry-run` prints it, `--emit-config` writes it as a `vllm serve --config` file,
 and otherwise vLLM replaces this process. Notes go to stderr, the command of a
 dry run to stdout.
@@ -33,7 +33,7 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """Options of apply."""
-    from kvpolicy.vllm_launch import PYTHON_ENV
+    from kvpolicy.outputs.vllm_launch import PYTHON_ENV
 
     add_target_args(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the vLLM command instead of starting it")
@@ -69,7 +69,7 @@ def user_vllm_args(raw: list[str]) -> list[str]:
 
 def user_config_keys(user_args: list[str], emit_config: str | None) -> dict[str, str]:
     """Flags set by the user's own `--config FILE` after `--`, as `--key` -> `key in FILE`."""
-    from kvpolicy.vllm_flags import canonical_flag, option_groups
+    from kvpolicy.outputs.vllm_flags import canonical_flag, option_groups
 
     files = [tokens[0].split("=", 1)[1] if "=" in tokens[0] else (tokens[1:] or [""])[0]
              for flag, tokens in option_groups(user_args) if flag == "--config"]
@@ -92,7 +92,7 @@ def user_config_keys(user_args: list[str], emit_config: str | None) -> dict[str,
 def decide(args: argparse.Namespace) -> tuple[Recommendation, ModelArch, str]:
     """The recommendation for --model/--gpu or --deployment, its model, and the model as vLLM loads it."""
     from kvpolicy.commands.common import resolve_inputs
-    from kvpolicy.recommend import recommend
+    from kvpolicy.outputs.recommend import recommend
 
     if args.deployment:
         from kvpolicy.policy.deployments import deployment_inputs, find_deployment
@@ -122,7 +122,7 @@ def model_for_vllm(arch: ModelArch, spec: str | None) -> str:
 
 def stock_gaps(rec: Recommendation, arch: ModelArch, model_ref: str) -> list[str]:
     """What stock vLLM cannot carry out of this decision, each with what it needs."""
-    from kvpolicy.calibrate import scale_gap
+    from kvpolicy.outputs.calibrate import scale_gap
 
     decision = rec.decision
     gaps = []
@@ -146,9 +146,18 @@ def _note(text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build, check and launch (or print / write) the vLLM command for the decision."""
-    from kvpolicy.vllm_flags import (LATEST_KNOWN, environment_notes, format_version, merge_user_args, option_groups,
-                                     parse_version, plan_flags, realisation, retired_flag)
-    from kvpolicy.vllm_launch import INSTALL_HINT, config_yaml, exec_vllm, find_vllm, shell_line, validate
+    from kvpolicy.outputs.vllm_flags import (
+        LATEST_KNOWN,
+        environment_notes,
+        format_version,
+        merge_user_args,
+        option_groups,
+        parse_version,
+        plan_flags,
+        realisation,
+        retired_flag,
+    )
+    from kvpolicy.outputs.vllm_launch import INSTALL_HINT, config_yaml, exec_vllm, find_vllm, shell_line, validate
 
     user_args = user_vllm_args(args.vllm_args)
     for flag, tokens in option_groups(user_args):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from kvpolicy.errors import InputError, PolicyFailure, did_you_mean
-from kvpolicy.render import echo, to_json
+from kvpolicy.outputs.render import echo, to_json
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -111,42 +110,20 @@ def _gpus(args: argparse.Namespace) -> int:
 
 def schemas() -> dict[str, dict]:
     """The published JSON Schemas by file name."""
-    from kvpolicy.inputs.policy_schema import Policy
+    from kvpolicy.outputs.fielddocs import json_schema
+    from kvpolicy.policy.starter import policy_schemas
     from kvpolicy.rules.decision import Recommendation
-
-    from kvpolicy.fielddocs import attach_docstrings
-
-    def make(model: type, title: str) -> dict:
-        attach_docstrings(model)  # type: ignore[arg-type]
-        schema = model.model_json_schema(by_alias=True)  # type: ignore[attr-defined]
-        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-        schema["title"] = title
-        return schema
-
-    return {
-        "policy.schema.json": make(Policy, "kvpolicy policy file"),
-        "policy-test.schema.json": make(_policy_test_model(), "kvpolicy policy test file (*_test.yaml)"),
-        "recommendation.schema.json": make(Recommendation, "kvpolicy recommendation"),
-        **_serve_schemas(make),
-    }
-
-
-def _policy_test_model() -> type:
-    """The `*_test.yaml` model (kvpolicy test)."""
-    from kvpolicy.policy.testcases import PolicyTestFile
-
-    return PolicyTestFile
-
-
-def _serve_schemas(make: Any) -> dict[str, dict]:
-    """Bodies of `kvpolicy serve` (kvpolicy.api is plain pydantic: no server stack is imported)."""
+    # kvpolicy.api is plain pydantic: no server stack is imported.
     from kvpolicy import api
 
     return {
-        "serve-recommend-request.schema.json": make(api.RecommendRequest, "kvpolicy serve: POST /v1/recommend body"),
-        "serve-check-request.schema.json": make(api.CheckRequest, "kvpolicy serve: POST /v1/check body"),
-        "serve-check-response.schema.json": make(api.CheckResponse, "kvpolicy serve: POST /v1/check response"),
-        "serve-error.schema.json": make(api.ErrorBody, "kvpolicy serve: error response (4xx/5xx)"),
+        **policy_schemas(),
+        "recommendation.schema.json": json_schema(Recommendation, "kvpolicy recommendation"),
+        "serve-recommend-request.schema.json": json_schema(api.RecommendRequest,
+                                                           "kvpolicy serve: POST /v1/recommend body"),
+        "serve-check-request.schema.json": json_schema(api.CheckRequest, "kvpolicy serve: POST /v1/check body"),
+        "serve-check-response.schema.json": json_schema(api.CheckResponse, "kvpolicy serve: POST /v1/check response"),
+        "serve-error.schema.json": json_schema(api.ErrorBody, "kvpolicy serve: error response (4xx/5xx)"),
     }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from kvpolicy.commands.common import positive_int
 from kvpolicy.commands.policy_output import OUTPUT_FORMATS
 from kvpolicy.errors import EXIT_OK, EXIT_POLICY_FAILURE, EXIT_USAGE, InputError
-from kvpolicy.render import echo
+from kvpolicy.outputs.render import echo
 
 DEFAULT_POLICY_FILE = "kvpolicy.yaml"
 _POLICY_KEYS = re.compile(r"^(extends|rules|deployments|pins|thresholds|constraints|disable|order):", re.M)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.render import echo
+from kvpolicy.outputs.render import echo
 
 OUTPUT_FORMATS = ("table", "json", "github")
 

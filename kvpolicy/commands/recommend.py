@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvpolicy.commands.common import Inputs, add_deployment_args, resolve_inputs
-from kvpolicy.render import FORMATS, render
+from kvpolicy.outputs.render import FORMATS, render
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate one deployment and print the decision."""
-    from kvpolicy.recommend import recommend
+    from kvpolicy.outputs.recommend import recommend
 
     if args.command == "explain" and not args.deployment and not (args.model and args.gpu):
         from kvpolicy.errors import InputError

@@ -106,7 +106,7 @@ def _resolve(args: argparse.Namespace, longest: int) -> tuple[Any, Any, Any, Any
 
     from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
     from kvpolicy.inputs.workload import make_workload
-    from kvpolicy.recommend import recommend
+    from kvpolicy.outputs.recommend import recommend
     from kvpolicy.rules.validate import load_policy
 
     loaded = load_policy(args.policy)

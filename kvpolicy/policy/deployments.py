@@ -69,7 +69,7 @@ def deployment_inputs(loaded: LoadedPolicy, dep: Deployment) -> tuple[ModelArch,
 
 def evaluate(loaded: LoadedPolicy, dep: Deployment) -> Recommendation:
     """The recommendation for one deployment."""
-    from kvpolicy.recommend import recommend
+    from kvpolicy.outputs.recommend import recommend
 
     arch, gpu, workload = deployment_inputs(loaded, dep)
     try:

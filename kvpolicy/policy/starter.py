@@ -17,6 +17,7 @@ import os
 import re
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from kvpolicy.errors import InputError
 from kvpolicy.inputs.yamlio import write_text_atomic
@@ -25,6 +26,18 @@ POLICY_FILE = "kvpolicy.yaml"
 TEST_FILE = "kvpolicy_test.yaml"
 SCHEMA_DIR = ".kvpolicy"
 _SCHEMA_LINE = re.compile(r"^# yaml-language-server: \$schema=.*$", re.M)
+
+
+def policy_schemas() -> dict[str, dict[str, Any]]:
+    """The JSON Schemas of a policy file and of its `*_test.yaml`, by published file name."""
+    from kvpolicy.inputs.policy_schema import Policy
+    from kvpolicy.outputs.fielddocs import json_schema
+    from kvpolicy.policy.testcases import PolicyTestFile
+
+    return {
+        "policy.schema.json": json_schema(Policy, "kvpolicy policy file"),
+        "policy-test.schema.json": json_schema(PolicyTestFile, "kvpolicy policy test file (*_test.yaml)"),
+    }
 
 
 def _template(name: str) -> str:
@@ -59,9 +72,7 @@ def _refs(folder: Path, schema_ref: str | None, force: bool) -> tuple[str | None
         rel = Path(os.path.relpath(repo, folder.resolve())).as_posix()
         test = repo / "policy-test.schema.json"
         return f"{rel}/policy.schema.json", f"{rel}/policy-test.schema.json" if test.is_file() else None, []
-    from kvpolicy.commands.catalogs import schemas
-
-    published = schemas()
+    published = policy_schemas()
     writes = []
     for name in ("policy.schema.json", "policy-test.schema.json"):
         path = folder / SCHEMA_DIR / name

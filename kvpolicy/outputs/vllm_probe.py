@@ -1,7 +1,7 @@
 """Asks the vLLM installation itself: which version it is, and whether it accepts a `vllm serve` argument list.
 
 This file runs inside the Python that has vLLM (kvpolicy's own or another
-environment's: `kvpolicy apply --vllm-python`), started by `kvpolicy.vllm_launch`
+environment's: `kvpolicy apply --vllm-python`), started by `kvpolicy.outputs.vllm_launch`
 with an argument list, never a shell. It imports only the standard library and
 vLLM, so kvpolicy need not be installed there. It reads one JSON request from
 argv[1] and prints one line `KVPOLICY-PROBE <json>` (vLLM logs to stdout too).

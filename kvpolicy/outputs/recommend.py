@@ -1,7 +1,8 @@
-"""The whole flow for one deployment: inputs -> facts -> rules -> decision -> estimates.
+"""The whole flow for one deployment: inputs -> facts -> rules -> decision -> estimates and vLLM flags.
 
-`recommend()` is what the CLI, `kvpolicy check`, the HTTP service and `apply`
-call; nothing else assembles a Recommendation.
+It sits with the outputs because a Recommendation carries the `vllm serve` flags
+(`vllm_flags.serve_args`). `recommend()` is what the CLI, `kvpolicy check`, the
+HTTP service and `apply` call; nothing else assembles a Recommendation.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_loader import LoadedPolicy
 from kvpolicy.inputs.workload import Workload
+from kvpolicy.outputs.vllm_flags import serve_args
 from kvpolicy.rules.decision import EvidenceRef, Recommendation, Trace
 from kvpolicy.rules.engine import decide
-from kvpolicy.vllm_flags import serve_args
+
 
 def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedPolicy) -> Recommendation:
     """Decide the KV cache for one deployment and explain it."""

@@ -7,7 +7,7 @@ vLLM-version specifics live here (see ../shared/reference/vllm-surface.md):
 - `--kv-cache-dtype-skip-layers` (PR #33695) does not exist in older versions.
 - `--calculate-kv-scales` was removed (PR #49389); kvpolicy never emits it and
   rejects it among the user's flags for the versions that no longer have it.
-The installed vLLM's own parser is the final check (`kvpolicy.vllm_probe`).
+The installed vLLM's own parser is the final check (`kvpolicy.outputs.vllm_probe`).
 """
 
 from __future__ import annotations

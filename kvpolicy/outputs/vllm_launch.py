@@ -2,7 +2,7 @@
 
 vLLM may live in kvpolicy's own environment (`pip install kvpolicy[vllm]`) or in
 another one (`--vllm-python` / KVPOLICY_VLLM_PYTHON names its python). Either
-way kvpolicy talks to it through `kvpolicy/vllm_probe.py`, run by that python
+way kvpolicy talks to it through `kvpolicy/outputs/vllm_probe.py`, run by that python
 as a subprocess with an argument list: kvpolicy itself never imports vllm, so
 its start-up stays light, and one code path serves both layouts.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpolicy.errors import InputError
-from kvpolicy.vllm_flags import Version, option_groups, parse_version
+from kvpolicy.outputs.vllm_flags import Version, option_groups, parse_version
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
 PYTHON_ENV = "KVPOLICY_VLLM_PYTHON"

@@ -9,8 +9,8 @@ import sys
 from typing import Any
 
 from kvpolicy.facts.estimates import Estimate
+from kvpolicy.outputs.vllm_flags import realisation
 from kvpolicy.rules.decision import Recommendation
-from kvpolicy.vllm_flags import realisation
 
 FORMATS = ("table", "json", "yaml", "args")
 

@@ -69,3 +69,12 @@ def attach_docstrings(root: type[BaseModel]) -> None:
     for _ in range(2):
         for model in reversed(models):
             model.model_rebuild(force=True)
+
+
+def json_schema(model: type[BaseModel], title: str) -> dict[str, Any]:
+    """The published JSON Schema of a model: field docstrings as descriptions, draft 2020-12, a title."""
+    attach_docstrings(model)
+    schema = model.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = title
+    return schema

@@ -21,12 +21,12 @@ pytest.importorskip("uvicorn")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvpolicy.api import MAX_BODY_BYTES, MAX_CHECK_DEPLOYMENTS, RecommendRequest  # noqa: E402
 from kvpolicy.commands.catalogs import schemas  # noqa: E402
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.workload import Workload, make_workload
 from kvpolicy.outputs.recommend import recommend
 from kvpolicy.rules.validate import load_policy
+from kvpolicy.service.api import MAX_BODY_BYTES, MAX_CHECK_DEPLOYMENTS, RecommendRequest
 
 POLICY = """\
 version: 1
@@ -522,12 +522,12 @@ def test_other_commands_do_not_import_the_server_stack(team_file):
 
 
 def test_api_fields_are_documented():
-    from kvpolicy import api
     from kvpolicy.outputs.fielddocs import field_docstrings, model_tree
+    from kvpolicy.service import api
 
     for root in (api.RecommendRequest, api.CheckRequest, api.CheckResponse, api.ErrorBody):
         for model in model_tree(root):
-            if not model.__module__.startswith("kvpolicy.api"):
+            if not model.__module__.startswith("kvpolicy.service.api"):
                 continue
             docs: dict[str, str] = {}
             for klass in reversed(model.__mro__):
@@ -540,8 +540,8 @@ def test_a_bug_is_a_json_500_and_the_server_stays_up(monkeypatch):
     # In-process (Starlette's TestClient): the one way to make kvpolicy itself fail on purpose.
     from starlette.testclient import TestClient
 
-    import kvpolicy.service as service
-    from kvpolicy.service_policy import PolicyHolder
+    import kvpolicy.service.app as service
+    from kvpolicy.service.reload import PolicyHolder
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated bug")

@@ -113,8 +113,8 @@ def schemas() -> dict[str, dict]:
     from kvpolicy.outputs.fielddocs import json_schema
     from kvpolicy.policy.starter import policy_schemas
     from kvpolicy.rules.decision import Recommendation
-    # kvpolicy.api is plain pydantic: no server stack is imported.
-    from kvpolicy import api
+    # kvpolicy.service.api is plain pydantic: no server stack is imported.
+    from kvpolicy.service import api
 
     return {
         **policy_schemas(),

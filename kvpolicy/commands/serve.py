@@ -47,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from kvpolicy.service import create_app
+        from kvpolicy.service.app import create_app
     except ImportError as exc:
         raise InputError(f"kvpolicy serve needs the server stack ({exc.name} is missing). "
                          "Install it with `pip install 'kvpolicy[serve]'`.") from None
-    from kvpolicy.service_policy import PolicyHolder
+    from kvpolicy.service.reload import PolicyHolder
 
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

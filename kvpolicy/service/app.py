@@ -1,6 +1,6 @@
 """`kvpolicy serve`: the policy as an HTTP JSON decision service (Starlette, run by uvicorn).
 
-A thin adapter: each endpoint validates the body (`kvpolicy.api`), calls the
+A thin adapter: each endpoint validates the body (`kvpolicy.service.api`), calls the
 functions the CLI calls (`resolve_model`, `resolve_gpu`, `make_workload` and
 `recommend` for /v1/recommend, `check_deployment` for /v1/check) and returns
 their result as JSON. Every response carries the serving policy's content hash
@@ -31,7 +31,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpolicy.api import (
+from kvpolicy.errors import InputError
+from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
+from kvpolicy.inputs.gpus import GpuSpec
+from kvpolicy.inputs.workload import make_workload
+from kvpolicy.outputs.recommend import recommend
+from kvpolicy.rules.decision import Recommendation
+from kvpolicy.service.api import (
     MAX_BODY_BYTES,
     CheckError,
     CheckRequest,
@@ -42,15 +49,8 @@ from kvpolicy.api import (
     RecommendRequest,
     field_errors,
 )
-from kvpolicy.errors import InputError
-from kvpolicy.inputs.arch import ModelArch
-from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
-from kvpolicy.inputs.gpus import GpuSpec
-from kvpolicy.inputs.workload import make_workload
-from kvpolicy.outputs.recommend import recommend
-from kvpolicy.rules.decision import Recommendation
-from kvpolicy.service_metrics import Metrics
-from kvpolicy.service_policy import PolicyHolder, Snapshot
+from kvpolicy.service.metrics import Metrics
+from kvpolicy.service.reload import PolicyHolder, Snapshot
 
 log = logging.getLogger("kvpolicy.serve")
 

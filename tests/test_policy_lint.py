@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvpolicy.cli import main
-from kvpolicy.policy.lint import BY_CODE, CHECKS, lint_path
+from kvpolicy.policy.lint import lint_path
+from kvpolicy.policy.lint_checks import BY_CODE, CHECKS
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = "version: 1\nname: team\nextends: builtin:default\n"

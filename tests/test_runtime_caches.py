@@ -18,6 +18,7 @@ from kvpolicy.runtime import ops
 from kvpolicy.runtime.caches import (
     BLOCK_SIZE,
     allocate,
+    gluon_available,
     pages_per_sequence,
     plan_layers,
     slots_for,
@@ -217,8 +218,8 @@ def test_layers_take_the_gluon_kernels_only_where_they_apply(monkeypatch: pytest
     mla = resolve_model("deepseek-v3")
     assert plan_layers(mla, Variant("fp8"))[0].kernel_path("triton", gluon=True) == "reference"
     # the device decides: never on the CPU, and the environment can turn it off
-    assert not ops.gluon_available(CPU)
-    monkeypatch.setattr(ops, "_gluon_on", lambda *a: True)
-    assert ops.gluon_available(torch.device("cuda", 0))
+    assert not gluon_available(CPU)
+    monkeypatch.setattr("kvpolicy.runtime.caches._gluon_on", lambda *a: True)
+    assert gluon_available(torch.device("cuda", 0))
     monkeypatch.setenv("KVPOLICY_GLUON", "0")
-    assert not ops.gluon_available(torch.device("cuda", 0))
+    assert not gluon_available(torch.device("cuda", 0))

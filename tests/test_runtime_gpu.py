@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="the runtime needs torch")
 
 from kvpolicy.cli import main
 from kvpolicy.inputs.arch import ModelArch
-from kvpolicy.runtime import ops
+from kvpolicy.runtime import caches, ops
 from kvpolicy.runtime.step import DecodeStep
 from kvpolicy.runtime.variants import parse_variant
 
@@ -50,7 +50,7 @@ def test_triton_path_matches_the_reference_on_the_same_caches(variant):
         step.prepare(context)
         step.run()  # stores the new token through the Triton store kernel
         prep = step._prepared
-        if variant.startswith("fp8") and torch.cuda.get_device_capability() == (9, 0) and ops.gluon_available(CUDA):
+        if variant.startswith("fp8") and torch.cuda.get_device_capability() == (9, 0) and caches.gluon_available(CUDA):
             # Hopper: the FP8 layers run the Gluon kernel (e4m3 query); the comparison below covers it
             assert step.layer_paths() == {"gluon": list(range(6))}
         for plan in step.plans:

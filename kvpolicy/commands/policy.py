@@ -112,7 +112,8 @@ def discover_policies(paths: list[str]) -> list[Path]:
 
 def _lint(args: argparse.Namespace) -> int:
     from kvpolicy.commands.policy_output import render_checks, render_lint
-    from kvpolicy.policy.lint import BY_CODE, CHECKS, is_load_failure, lint_path
+    from kvpolicy.policy.lint import is_load_failure, lint_path
+    from kvpolicy.policy.lint_checks import BY_CODE, CHECKS
 
     if args.list_checks:
         render_checks(CHECKS, "json" if args.format == "json" else "table")

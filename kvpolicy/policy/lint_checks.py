@@ -1,19 +1,125 @@
-"""The lint checks themselves, one function per area (see `lint.CHECKS` for the codes)."""
+"""The lint checks: the registry of codes, and one function per area over a loaded policy.
+
+Every check is data (code, name, severity, summary), like ruff's registry;
+`kvpolicy lint --list-checks` prints them. Codes by area: KVL0xx the file cannot
+be loaded, KVL1xx rules, KVL2xx thresholds, KVL3xx pins and constraints,
+KVL4xx deployments.
+"""
 
 from __future__ import annotations
 
 import fnmatch
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from kvpolicy.errors import KvPolicyError, did_you_mean
+from kvpolicy.inputs.policy_loader import BUILTIN, LoadedPolicy
+from kvpolicy.inputs.policy_sources import Sources
 from kvpolicy.inputs.policy_schema import DECISION_FIELDS
-from kvpolicy.policy.analysis import domains, fact_kind, implies, unsatisfiable
-from kvpolicy.policy.lint import CODE_THRESHOLDS, DECISION_FACT_FIELD
+from kvpolicy.policy.analysis import conjunction, domains, fact_kind, implies, unsatisfiable
 from kvpolicy.rules.engine import fact_paths, threshold_refs
 
-if TYPE_CHECKING:
-    from kvpolicy.policy.lint import _Linter
+
+@dataclass(frozen=True)
+class Check:
+    """One lint check: a permanent code, a kebab-case name, a severity and what it finds."""
+
+    code: str
+    name: str
+    severity: str
+    summary: str
+
+
+CHECKS = [
+    Check("KVL001", "invalid-yaml", "error", "The file is not valid YAML."),
+    Check("KVL002", "schema-error", "error", "A value has the wrong type or is out of the schema's bounds."),
+    Check("KVL003", "unknown-key", "error", "A key the schema does not know (usually a typo)."),
+    Check("KVL004", "bad-extends", "error", "`extends:` names a missing file or closes a loop."),
+    Check("KVL005", "unknown-reference", "error",
+          "A rule, pin or `disable:` names an unknown fact, threshold, dtype or rule."),
+    Check("KVL006", "unreadable-file", "error", "The file cannot be read."),
+    Check("KVL101", "unreachable-rule", "error", "A rule or pin whose condition can never hold."),
+    Check("KVL102", "shadowed-rule", "warning", "Whenever the rule matches, an earlier rule has already decided its field."),
+    Check("KVL103", "conflicting-rules", "warning", "Two rules with the same condition set a field to different values."),
+    Check("KVL104", "rule-without-evidence", "warning", "A rule that cites no evidence."),
+    Check("KVL105", "unknown-evidence", "error", "A rule or threshold cites an evidence id the policy does not define."),
+    Check("KVL106", "rule-without-effect", "warning", "A rule that sets no field, warns nothing and advises nothing."),
+    Check("KVL107", "forbidden-value", "error", "A rule, pin or default sets a value a constraint forbids."),
+    Check("KVL108", "decision-read-too-early", "error",
+          "A condition reads `decision.X` before X is decided (it always sees no value)."),
+    Check("KVL201", "threshold-out-of-range", "error", "A threshold's value lies outside its `min`/`max`."),
+    Check("KVL202", "unused-threshold", "warning", "A threshold no rule, pin or estimate reads."),
+    Check("KVL203", "threshold-bounds-changed", "warning", "An extending file moves an inherited threshold's `min`/`max`."),
+    Check("KVL301", "overridden-pin", "warning", "A later pin always replaces this pin's field."),
+    Check("KVL302", "constraint-matches-nothing", "warning", "A `forbid` pattern that matches no known value."),
+    Check("KVL401", "bad-deployment", "error", "A deployment names an unknown model or GPU, or an invalid context."),
+    Check("KVL402", "deployment-floor-too-low", "error", "A deployment's accuracy floor is below `min_accuracy_floor`."),
+]
+BY_CODE = {c.code: c for c in CHECKS}
+LOAD_CODES = {"yaml": "KVL001", "schema": "KVL002", "unknown-key": "KVL003", "extends": "KVL004",
+              "reference": "KVL005", "io": "KVL006"}
+CODE_THRESHOLDS = {"break_even_tokens", "fp8_slope_overhead", "accuracy_floor"}
+"""Thresholds kvpolicy's estimates and defaults read (besides those rules name)."""
+DECISION_FACT_FIELD = {"decision.kv_cache_dtype": "kv_cache_dtype", "decision.kv_format": "kv_cache_dtype",
+                       "decision.skip_layers": "skip_layers",
+                       "decision.two_level_accumulation": "two_level_accumulation",
+                       "decision.scale_source": "scale_source", "decision.attention_backend": "attention_backend"}
+
+
+@dataclass
+class Finding:
+    """One lint finding."""
+
+    code: str
+    message: str
+    file: str
+    line: int | None = None
+    col: int | None = None
+    severity: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.severity:
+            self.severity = BY_CODE[self.code].severity
+
+    @property
+    def name(self) -> str:
+        """The check's kebab-case name."""
+        return BY_CODE[self.code].name
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for `--format json`."""
+        return {**asdict(self), "name": self.name}
+
+
+class Linter:
+    """What every check reads (the policy, its sources, each rule's conjunction) and where findings go."""
+
+    def __init__(self, loaded: LoadedPolicy) -> None:
+        self.loaded = loaded
+        self.policy = loaded.policy
+        self.src = Sources.of(loaded)
+        self.user = {n for n in loaded.chain if not n.startswith(BUILTIN)}
+        self.findings: list[Finding] = []
+        self.rules = [r for r in self.policy.rules if r.enabled and r.status != "deprecated"]
+        self.conj = {r.id: conjunction(r.when, self.policy) for r in self.rules}
+        self.pin_conj = [conjunction(p.when, self.policy) for p in self.policy.pins]
+        self.unreachable: set[str] = set()
+
+    def emit(self, code: str, message: str, *wheres: tuple[str, int | None, int | None]) -> None:
+        """Report at the first location in a user file; drop findings that live only in built-in policies."""
+        for where in wheres:
+            if where[0] in self.user:
+                self.findings.append(Finding(code, message, *where))
+                return
+
+    def forbidden(self, field: str, value: Any) -> str | None:
+        """The constraint pattern that forbids `field: value`, if any."""
+        values = value if isinstance(value, list) else [value]
+        for pattern in self.policy.constraints.forbid.get(field, []):
+            if any(fnmatch.fnmatchcase(str(v), pattern) for v in values):
+                return pattern
+        return None
 
 
 def _fmt(v: Any) -> str:
@@ -44,7 +150,7 @@ def _why_empty(region: Any, conj: Any) -> str:
     return f"the comparisons on `{region.fact}` contradict each other."
 
 
-def rules(lt: _Linter) -> None:
+def rules(lt: Linter) -> None:
     """KVL101 unreachable, KVL104/105 evidence, KVL106 no effect, KVL107 forbidden values, KVL108 read too early."""
     evidence = {e.id for e in lt.policy.evidence}
     for r in lt.rules:
@@ -77,7 +183,7 @@ def rules(lt: _Linter) -> None:
             _read_too_early(lt, f"rule {r.id}", r.when, patch, file_loc, at)
 
 
-def _read_too_early(lt: _Linter, owner: str, cond: Any, patch: dict[str, Any],
+def _read_too_early(lt: Linter, owner: str, cond: Any, patch: dict[str, Any],
                     file_loc: tuple[str, tuple[Any, ...]] | None, at: tuple[str, int | None, int | None]) -> None:
     first = min(DECISION_FIELDS.index(f) for f in patch)
     for path in fact_paths(cond):
@@ -89,7 +195,7 @@ def _read_too_early(lt: _Linter, owner: str, cond: Any, patch: dict[str, Any],
                     "earlier field, or move the test into a separate rule for a later field.", where, at)
 
 
-def shadowing(lt: _Linter) -> None:
+def shadowing(lt: Linter) -> None:
     """KVL102 shadowed and KVL103 conflicting rules, per decision field."""
     reported: dict[tuple[str, str], list[str]] = {}
     conflicts: dict[tuple[str, str], list[str]] = {}
@@ -124,7 +230,7 @@ def shadowing(lt: _Linter) -> None:
                 order_at)
 
 
-def pins_and_constraints(lt: _Linter) -> None:
+def pins_and_constraints(lt: Linter) -> None:
     """KVL101/107/108 for pins, KVL301 overridden pins, KVL107 forbidden defaults, KVL302 dead patterns."""
     pins = lt.policy.pins
     for i, pin in enumerate(pins):
@@ -170,7 +276,7 @@ def pins_and_constraints(lt: _Linter) -> None:
                         lt.src.key("constraints", "forbid", field))
 
 
-def thresholds(lt: _Linter) -> None:
+def thresholds(lt: Linter) -> None:
     """KVL201 out of range, KVL202 unused, KVL203 bounds moved, KVL105 unknown evidence."""
     policy = lt.policy
     used = set(CODE_THRESHOLDS)
@@ -213,7 +319,7 @@ def thresholds(lt: _Linter) -> None:
                         lt.src.at(lt.loaded.chain[0], ("thresholds", name)))
 
 
-def deployments(lt: _Linter) -> None:
+def deployments(lt: Linter) -> None:
     """KVL401 unknown model/GPU or bad context, KVL402 floor below the policy's minimum."""
     from kvpolicy.policy.deployments import deployment_inputs
 

@@ -18,6 +18,7 @@ caches; the bytes each cache takes per token must equal `layer_kv_bytes_per_toke
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,7 @@ class LayerPlan:
 
     def kernel_path(self, backend: str, gluon: bool = False) -> str:
         """`triton`; `gluon` for the FP8 and TurboQuant layers the Hopper Gluon kernels take, when
-        `gluon` (the GPU is an sm_90 one: `ops.gluon_available`); `reference` where the kernels do not take this
+        `gluon` (the GPU is an sm_90 one: `gluon_available`); `reference` where the kernels do not take this
         layer (or on the CPU)."""
         if backend != "triton":
             return "reference"
@@ -98,6 +99,20 @@ class LayerPlan:
             if self.head_dim in dg.HEAD_DIMS and self.num_q_heads // self.num_kv_heads <= dg.MAX_GROUP and BLOCK_SIZE == dg.PAGE:
                 return "gluon"
         return "triton"
+
+
+def _gluon_on(device: Any) -> bool:
+    if device.type != "cuda":
+        return False  # before importing the kernels: the CPU runtime needs no Triton
+    from kvpolicy.kernels.decode_attention import gluon_runs_on
+
+    return gluon_runs_on(device)[0]
+
+
+def gluon_available(device: Any) -> bool:
+    """Whether FP8 and TurboQuant layers decode with the Gluon kernels here: an sm_90 GPU, a Triton with its Gluon API
+    (`decode_attention.gluon_runs_on`), and `KVPOLICY_GLUON` not set to 0."""
+    return os.environ.get("KVPOLICY_GLUON", "1") != "0" and _gluon_on(device)
 
 
 def _shared_sources(arch: ModelArch) -> dict[int, int]:
@@ -224,7 +239,6 @@ def allocate(plans: list[LayerPlan], batch: int, max_context: int, device: Any,
         c = LayerCache(plan=plan)
         if plan.fmt.kind == "turboquant":
             from kvpolicy.kernels.turboquant import allocate_tq_cache, allocate_tq_planar_cache
-            from kvpolicy.runtime.ops import gluon_available
 
             # the Gluon kernel reads planar pages (the same bytes per token as the slots the Triton kernel reads)
             planar = plan.kernel_path("triton", gluon_available(torch.device(device))) == "gluon"

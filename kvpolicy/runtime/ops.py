@@ -15,12 +15,11 @@ which, and the results report it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from kvpolicy.runtime.caches import LayerCache, LayerPlan
+from kvpolicy.runtime.caches import LayerCache, LayerPlan, gluon_available
 
 
 def store(cache: LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, backend: str) -> None:
@@ -54,20 +53,6 @@ def store(cache: LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torc
     from kvpolicy.kernels.reference import ref_store_kv
 
     ref_store_kv(key, value, cache.key_cache, cache.value_cache, slots, cache.k_scale, cache.v_scale)
-
-
-def _gluon_on(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False  # before importing the kernels: the CPU runtime needs no Triton
-    from kvpolicy.kernels.decode_attention import gluon_runs_on
-
-    return gluon_runs_on(device)[0]
-
-
-def gluon_available(device: torch.device) -> bool:
-    """Whether FP8 and TurboQuant layers decode with the Gluon kernels here: an sm_90 GPU, a Triton with its Gluon API
-    (`decode_attention.gluon_runs_on`), and `KVPOLICY_GLUON` not set to 0."""
-    return os.environ.get("KVPOLICY_GLUON", "1") != "0" and _gluon_on(device)
 
 
 def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables: torch.Tensor,

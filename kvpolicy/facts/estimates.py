@@ -170,16 +170,12 @@ def recovery(policy: Policy, dtype: str, context_tokens: int) -> Estimate:
 
 
 def _recoveries(policy: Policy) -> list[tuple[int, float, str, str]]:
-    """(max context, value, evidence id, dtype) of every recovery figure, cached per policy object."""
-    hit = _RECOVERIES.get(id(policy))
-    if hit is None or hit[0] is not policy:
-        rows = [(r.max_context_tokens, r.value, ev.id, r.dtype) for ev in policy.evidence for r in ev.recovery]
-        hit = (policy, rows)
-        _RECOVERIES[id(policy)] = hit
-    return hit[1]
-
-
-_RECOVERIES: dict[int, tuple[Policy, list[tuple[int, float, str, str]]]] = {}
+    """(max context, value, evidence id, dtype) of every recovery figure, built once per policy object."""
+    rows = policy.derived.get(__name__)
+    if rows is None:
+        rows = policy.derived[__name__] = [(r.max_context_tokens, r.value, ev.id, r.dtype)
+                                           for ev in policy.evidence for r in ev.recovery]
+    return rows
 
 
 def kernel_slope(policy: Policy, arch: ModelArch, gpu: GpuSpec, dtype: str) -> Estimate:

@@ -106,13 +106,12 @@ def _kernel_figure(rows: list[_KernelRow], gpu: GpuSpec, head_dim: int, is_mla: 
 
 
 def _kernel_cache(policy: Policy) -> tuple[list[_KernelRow], dict[tuple[Any, ...], KernelFigure]]:
-    """Every kernel measurement of the policy, and the look-ups made so far; cached per policy object."""
-    hit = _KERNELS.get(id(policy))
-    if hit is None or hit[0] is not policy:
+    """Every kernel measurement of the policy, and the look-ups made so far; kept on the policy object."""
+    hit = policy.derived.get(__name__)
+    if hit is None:
         rows = [(ev.id, m, *_catalog_gpu(m.gpu)) for ev in policy.evidence for m in ev.kernels]
-        hit = (policy, rows, {})
-        _KERNELS[id(policy)] = hit
-    return hit[1], hit[2]
+        hit = policy.derived[__name__] = (rows, {})
+    return hit
 
 
 def _catalog_gpu(name: str) -> tuple[str | None, str | None]:
@@ -128,5 +127,3 @@ def _catalog_gpu(name: str) -> tuple[str | None, str | None]:
         return None, None
     return spec.id, spec.generation
 
-
-_KERNELS: dict[int, tuple[Policy, list[_KernelRow], dict[tuple[Any, ...], KernelFigure]]] = {}

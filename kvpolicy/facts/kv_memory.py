@@ -10,6 +10,7 @@ most `window - 1 + max_num_batched_tokens` tokens per request.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvpolicy.facts.formats import FORMATS, FP8_DS_MLA_BYTES, KvFormat
@@ -61,32 +62,7 @@ class Layout:
     @classmethod
     def of(cls, arch: ModelArch, dtype: str, skip_layers: list[str] | tuple[str, ...] = (), tp: int = 1) -> Layout:
         """Per-layer formats for a dtype, honouring skip layers (and TurboQuant's boundary layers)."""
-        key = (id(arch), dtype, tuple(skip_layers), tp)
-        hit = _LAYOUTS.get(key)
-        if hit is not None and hit.arch is arch:
-            return hit
-        chosen = FORMATS[dtype]
-        bf16 = FORMATS["auto"]
-        skip_idx = {int(s) for s in skip_layers if str(s).isdigit()}
-        skip_sliding = "sliding_window" in skip_layers
-        n = arch.num_layers
-        formats = []
-        for i, kind in enumerate(arch.layer_types):
-            keep = i in skip_idx or (skip_sliding and kind == "sliding")
-            if chosen.kind == "turboquant" and (i < TURBOQUANT_BOUNDARY_LAYERS or i >= n - TURBOQUANT_BOUNDARY_LAYERS):
-                keep = True
-            if chosen.kind == "turboquant" and kind == "mla":
-                keep = True
-            formats.append(bf16 if keep else chosen)
-        by_kind: dict[str, int] = {}
-        for i, kind in enumerate(arch.layer_types):
-            b = layer_kv_bytes_per_token(arch, i, formats[i], tp)
-            if b:
-                by_kind[kind] = by_kind.get(kind, 0) + b
-        layout = cls(arch, tuple(formats), tp, tuple(by_kind.items()))
-        # Layouts are pure functions of their key; the arch reference keeps id() unique.
-        _LAYOUTS[key] = layout
-        return layout
+        return _layout(_ArchKey(arch), dtype, tuple(skip_layers), tp)
 
     def bytes_by_kind(self) -> dict[str, int]:
         """Bytes per token per rank, summed over the layers of each kind that hold KV."""
@@ -113,7 +89,46 @@ class Layout:
         return sum(b for kind, b in self.by_kind if kind in ("full", "mla")) or self.bytes_per_token()
 
 
-_LAYOUTS: dict[tuple[int, str, tuple[str, ...], int], Layout] = {}
+class _ArchKey:
+    """A ModelArch compared and hashed by its content, so that equal architectures share cached layouts."""
+
+    __slots__ = ("arch", "content")
+
+    def __init__(self, arch: ModelArch) -> None:
+        self.arch = arch
+        self.content = tuple(tuple(v) if isinstance(v, list) else v
+                             for v in (getattr(arch, name) for name in type(arch).model_fields))
+
+    def __hash__(self) -> int:
+        return hash(self.content)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ArchKey) and self.content == other.content
+
+
+# Bounded: layouts for a few thousand (architecture, dtype, skips, tp) combinations, evicted least recently used.
+@functools.lru_cache(maxsize=2048)
+def _layout(key: _ArchKey, dtype: str, skip_layers: tuple[str, ...], tp: int) -> Layout:
+    arch = key.arch
+    chosen = FORMATS[dtype]
+    bf16 = FORMATS["auto"]
+    skip_idx = {int(s) for s in skip_layers if str(s).isdigit()}
+    skip_sliding = "sliding_window" in skip_layers
+    n = arch.num_layers
+    formats = []
+    for i, kind in enumerate(arch.layer_types):
+        keep = i in skip_idx or (skip_sliding and kind == "sliding")
+        if chosen.kind == "turboquant" and (i < TURBOQUANT_BOUNDARY_LAYERS or i >= n - TURBOQUANT_BOUNDARY_LAYERS):
+            keep = True
+        if chosen.kind == "turboquant" and kind == "mla":
+            keep = True
+        formats.append(bf16 if keep else chosen)
+    by_kind: dict[str, int] = {}
+    for i, kind in enumerate(arch.layer_types):
+        b = layer_kv_bytes_per_token(arch, i, formats[i], tp)
+        if b:
+            by_kind[kind] = by_kind.get(kind, 0) + b
+    return Layout(arch, tuple(formats), tp, tuple(by_kind.items()))
 
 
 def kv_budget_bytes(arch: ModelArch, gpu: GpuSpec, workload: Workload) -> float:

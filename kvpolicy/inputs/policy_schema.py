@@ -8,6 +8,7 @@ the code.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -423,6 +424,14 @@ class Policy(_Strict):
     """Hard limits."""
     deployments: list[Deployment] = Field(default_factory=list)
     """Serving targets evaluated by `kvpolicy check`."""
+
+    @cached_property
+    def derived(self) -> dict[str, Any]:
+        """Tables later stages build from this policy once (compiled rules, evidence look-ups), by module name.
+
+        They live on the policy object, not in module-level caches, so a policy that
+        `kvpolicy serve` replaces is freed together with them."""
+        return {}
 
     @field_validator("rules", "evidence", "deployments", "pins")
     @classmethod

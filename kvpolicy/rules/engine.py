@@ -231,13 +231,10 @@ class _Compiled:
     defaults: dict[str, Any]
 
 
-_COMPILED: dict[int, tuple[Policy, _Compiled]] = {}
-
-
 def _compile(policy: Policy) -> _Compiled:
-    hit = _COMPILED.get(id(policy))
-    if hit is not None and hit[0] is policy:
-        return hit[1]
+    hit = policy.derived.get(__name__)
+    if hit is not None:
+        return hit
     rules = [r for r in policy.rules if r.enabled and r.status != "deprecated"]
     defaults = {name: f.get_default(call_default_factory=True) for name, f in Decision.model_fields.items()}
     defaults.update(policy.defaults.fields())
@@ -248,8 +245,7 @@ def _compile(policy: Policy) -> _Compiled:
         pins=[(p, p.set.fields(), compile_condition(p.when, policy)) for p in policy.pins],
         defaults=defaults,
     )
-    # The policy reference keeps id() unique while the entry lives.
-    _COMPILED[id(policy)] = (policy, compiled)
+    policy.derived[__name__] = compiled
     return compiled
 
 

@@ -163,3 +163,33 @@ def test_table_and_json_show_the_kernel_estimate(capsys, monkeypatch):
     assert main([*argv, "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["estimates"]["kernel_slope_ratio"]["value"] == round(LLAMA["turboquant_4bit_nc"] / LLAMA["sdpa_cudnn"], 3)
+
+
+@pytest.mark.parametrize("model,gpu,context", [("gpt-oss-20b", "h100", "32k"), ("llama-3.1-8b", "l40s", "128k"),
+                                               ("gemma-3-12b", "b200", "4k")])
+def test_each_figure_is_computed_once_and_the_estimates_match_the_facts(builtin, monkeypatch, model, gpu, context):
+    """build_facts and estimate share one Figures per deployment: no break-even, recovery, concurrency or kernel
+    look-up runs twice for the same variant, and the decided variant's estimates are the facts' figures."""
+    from kvpolicy.facts import build, estimates
+
+    # What each function computes a figure of: the variant (the layout object, cached per variant) or the dtype.
+    variant = {"break_even": lambda a: (a[3], tuple(a[4])), "recovery": lambda a: a[1],
+               "max_concurrency": lambda a: id(a[0]), "kernel_figure": lambda a: a[3]}
+    calls: list[tuple[str, object]] = []
+    for name, key in variant.items():
+        for module in (estimates, build):  # wherever the facts or the estimates could call it from
+            if hasattr(module, name):
+                real = getattr(module, name)
+                monkeypatch.setattr(module, name,
+                                    lambda *a, _n=name, _k=key, _f=real: calls.append((_n, _k(a))) or _f(*a))
+    r = rec(builtin, model, gpu, context=context)
+    assert {n for n, _ in calls} == set(variant)
+    assert len(calls) == len(set(calls)), calls
+    facts, est, d = r.trace.facts, r.estimates, r.decision
+    fmt = {"auto": "bf16", "fp8": "fp8"}.get(d.kv_cache_dtype)
+    if fmt and not d.skip_layers:
+        assert est.max_concurrency.value == facts[f"memory.max_concurrency_{fmt}"]
+    if d.kv_cache_dtype == "fp8":
+        variant = "fp8_skip_sliding" if d.skip_layers == ["sliding_window"] else "fp8"
+        assert est.break_even_tokens.value == facts[f"latency.{variant}_break_even_tokens"]
+        assert est.accuracy_recovery.value == facts["accuracy.fp8_recovery"]

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpolicy.facts.estimates import break_even, recovery
-from kvpolicy.facts.kernel_figures import kernel_figure
-from kvpolicy.facts.kv_memory import Layout, kv_budget_bytes, max_concurrency
+from kvpolicy.facts.estimates import Figures
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_schema import Policy
@@ -71,8 +69,13 @@ FACTS: dict[str, str] = {
 """Every fact path with a one-line description."""
 
 
-def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Policy) -> dict[str, Any]:
-    """Facts for one deployment (decision.* facts are added by the engine as it decides)."""
+def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Policy, *,
+                figures: Figures | None = None) -> dict[str, Any]:
+    """Facts for one deployment (decision.* facts are added by the engine as it decides).
+
+    `figures` (of these same inputs) keeps the derived figures for `estimate` to reuse.
+    """
+    fig = figures if figures is not None else Figures(policy, arch, gpu, workload)
     f: dict[str, Any] = {
         "model.id": arch.id,
         "model.family": arch.family,
@@ -102,30 +105,27 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
         "workload.tp": workload.tp,
         "workload.accuracy_floor": workload.accuracy_floor,
     }
-    budget = kv_budget_bytes(arch, gpu, workload)
-    f["memory.weights_fit"] = budget > 0
-    conc = {}
-    for dtype in ("auto", "fp8", "turboquant_4bit_nc"):
-        conc[dtype] = max_concurrency(Layout.of(arch, dtype, (), workload.tp), budget, workload)
+    f["memory.weights_fit"] = fig.budget > 0
+    conc = {dtype: fig.max_concurrency(dtype) for dtype in ("auto", "fp8", "turboquant_4bit_nc")}
     f["memory.max_concurrency_bf16"] = conc["auto"]
     f["memory.max_concurrency_fp8"] = conc["fp8"]
     f["memory.max_concurrency_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"]
     f["memory.fits_bf16"] = conc["auto"] >= workload.concurrency
     f["memory.fits_fp8"] = conc["fp8"] >= workload.concurrency
     f["memory.fits_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"] >= workload.concurrency
-    need = Layout.of(arch, "auto", (), workload.tp).request_bytes(workload.context_tokens) * workload.concurrency
-    f["memory.pressure_bf16"] = round(need / budget, 3) if budget > 0 else None
+    need = fig.layout("auto").request_bytes(workload.context_tokens) * workload.concurrency
+    f["memory.pressure_bf16"] = round(need / fig.budget, 3) if fig.budget > 0 else None
 
-    variants = [break_even(policy, arch, gpu, "fp8", [], f)]
+    variants = [fig.break_even("fp8", [], f)]
     if arch.count("sliding"):
-        variants.append(break_even(policy, arch, gpu, "fp8", ["sliding_window"], f))
+        variants.append(fig.break_even("fp8", ["sliding_window"], f))
     f["latency.fp8_break_even_tokens"] = variants[0].value
     f["latency.fp8_skip_sliding_break_even_tokens"] = variants[1].value if len(variants) > 1 else None
     candidates = [e.value for e in variants if e.value is not None]
     f["latency.fp8_best_break_even_tokens"] = min(candidates) if candidates else None
     # A measured line that never crosses BF16's (e.g. a user's own `kvpolicy bench --record`).
     f["latency.fp8_never_faster"] = all(e.value is None and e.provenance == "measured" for e in variants)
-    f["accuracy.fp8_recovery"] = recovery(policy, "fp8", workload.context_tokens).value
-    f["accuracy.turboquant_4bit_nc_recovery"] = recovery(policy, "turboquant_4bit_nc", workload.context_tokens).value
-    f["kernels.turboquant_4bit_nc"] = kernel_figure(policy, arch, gpu, "turboquant_4bit_nc").phrase
+    f["accuracy.fp8_recovery"] = fig.recovery("fp8").value
+    f["accuracy.turboquant_4bit_nc_recovery"] = fig.recovery("turboquant_4bit_nc").value
+    f["kernels.turboquant_4bit_nc"] = fig.kernel_figure("turboquant_4bit_nc").phrase
     return f

@@ -7,16 +7,19 @@ measured; otherwise the slope ratio is modelled from the bytes read per token of
 context, and the break-even comes from the policy's per-generation threshold.
 Beside it, the kernel slope ratio (`kernel_figures.py`) is what kvpolicy's own
 Triton decode kernels measured (attention only) against cuDNN BF16.
+`Figures` computes each of these once per deployment: the facts state them for
+the rules, and the estimates of the decided variant reuse them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from kvpolicy.facts.formats import FORMATS
-from kvpolicy.facts.kernel_figures import kernel_figure
+from kvpolicy.facts.kernel_figures import KernelFigure, kernel_figure
 from kvpolicy.facts.kv_memory import GIB, RUNTIME_RESERVE_GIB, Layout, kv_budget_bytes, max_concurrency
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
@@ -92,13 +95,12 @@ def find_itl(policy: Policy, arch: ModelArch, gpu: GpuSpec) -> tuple[str, dict[s
     return None
 
 
-def slope_ratio(policy: Policy, arch: ModelArch, gpu: GpuSpec, layout: Layout, dtype: str,
-                skip_layers: list[str], tp: int, facts: dict[str, Any]) -> Estimate:
-    """ITL slope of a variant relative to BF16's."""
+def slope_ratio(policy: Policy, found: tuple[str, dict[str, ItlFit]] | None, layout: Layout, bf16: Layout,
+                dtype: str, skip_layers: list[str], facts: dict[str, Any]) -> Estimate:
+    """ITL slope of a variant relative to BF16's (`found`: the deployment's `find_itl`)."""
     key = variant_key(dtype, skip_layers)
     if key == "bf16":
         return Estimate(value=1.0, unit="ratio", provenance="modelled", basis="BF16 is the baseline")
-    found = find_itl(policy, arch, gpu)
     if found and key in found[1] and "bf16" in found[1]:
         ev_id, fits = found
         r = fits[key].slope_ms_per_token / fits["bf16"].slope_ms_per_token
@@ -109,7 +111,6 @@ def slope_ratio(policy: Policy, arch: ModelArch, gpu: GpuSpec, layout: Layout, d
         return Estimate(value=None, unit="ratio", provenance="modelled",
                         basis="vLLM's TurboQuant decode dequantizes to BF16 before attention: measured 10-68% "
                               "added latency, no slope published (evidence `turboquant-latency`)")
-    bf16 = Layout.of(arch, "auto", (), tp)
     byte_ratio = layout.growing_bytes() / bf16.growing_bytes()
     overhead = resolve_threshold(policy, "fp8_slope_overhead", facts) or 1.0
     r = min(1.0, byte_ratio * overhead)
@@ -118,13 +119,12 @@ def slope_ratio(policy: Policy, arch: ModelArch, gpu: GpuSpec, layout: Layout, d
                           f"x kernel overhead {overhead:g} (threshold `fp8_slope_overhead`)")
 
 
-def break_even(policy: Policy, arch: ModelArch, gpu: GpuSpec, dtype: str, skip_layers: list[str],
-               facts: dict[str, Any]) -> Estimate:
-    """Context above which the variant decodes faster than BF16."""
+def break_even(policy: Policy, gpu: GpuSpec, found: tuple[str, dict[str, ItlFit]] | None, dtype: str,
+               skip_layers: list[str], facts: dict[str, Any]) -> Estimate:
+    """Context above which the variant decodes faster than BF16 (`found`: the deployment's `find_itl`)."""
     key = variant_key(dtype, skip_layers)
     if key == "bf16":
         return Estimate(value=None, unit="tokens", provenance="modelled", basis="BF16 is the baseline")
-    found = find_itl(policy, arch, gpu)
     if found and key in found[1]:
         ev_id, fits = found
         fit = fits[key]
@@ -178,20 +178,62 @@ def _recoveries(policy: Policy) -> list[tuple[int, float, str, str]]:
     return rows
 
 
-def kernel_slope(policy: Policy, arch: ModelArch, gpu: GpuSpec, dtype: str) -> Estimate:
+def kernel_slope(fig: KernelFigure) -> Estimate:
     """Decode-attention slope of kvpolicy's own kernel for a dtype, relative to cuDNN BF16 (measured)."""
-    fig = kernel_figure(policy, arch, gpu, dtype)
     return Estimate(value=fig.ratio, unit="ratio", provenance="measured" if fig.ratio is not None else "modelled",
                     basis=fig.basis)
 
 
-def estimate(policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload, kv_cache_dtype: str,
-             skip_layers: list[str], facts: dict[str, Any]) -> Estimates:
-    """All estimates for a decided KV dtype and its skip layers."""
+class Figures:
+    """The figures of one deployment, each computed once: `build_facts` states them as facts and
+    `estimate` reuses them for the decided variant (concurrency, break-even, recovery, kernel figure)."""
+
+    def __init__(self, policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload) -> None:
+        self.policy, self.arch, self.gpu, self.workload = policy, arch, gpu, workload
+        self.budget = kv_budget_bytes(arch, gpu, workload)
+        """Bytes of KV cache one rank holds (negative when the weights do not fit)."""
+        self.itl = find_itl(policy, arch, gpu)
+        """The ITL fits measured for this model on this GPU, with their evidence id (None when there are none)."""
+        self._memo: dict[tuple[Any, ...], Any] = {}
+
+    def _once(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def layout(self, dtype: str, skip_layers: list[str] | tuple[str, ...] = ()) -> Layout:
+        """Per-layer formats and bytes of a variant."""
+        return self._once(("layout", dtype, tuple(skip_layers)),
+                          lambda: Layout.of(self.arch, dtype, skip_layers, self.workload.tp))
+
+    def max_concurrency(self, dtype: str, skip_layers: list[str] | tuple[str, ...] = ()) -> int:
+        """Requests at the workload's context that fit with a variant."""
+        return self._once(("concurrency", dtype, tuple(skip_layers)),
+                          lambda: max_concurrency(self.layout(dtype, skip_layers), self.budget, self.workload))
+
+    def break_even(self, dtype: str, skip_layers: list[str] | tuple[str, ...], facts: dict[str, Any]) -> Estimate:
+        """Break-even context of a variant against BF16."""
+        # A modelled break-even reads a threshold that may be keyed by a fact: its value is part of the key.
+        threshold = resolve_threshold(self.policy, "break_even_tokens", facts)
+        return self._once(("break_even", variant_key(dtype, skip_layers), threshold),
+                          lambda: break_even(self.policy, self.gpu, self.itl, dtype, list(skip_layers), facts))
+
+    def recovery(self, dtype: str) -> Estimate:
+        """Expected accuracy recovery of a dtype at the workload's context."""
+        return self._once(("recovery", dtype), lambda: recovery(self.policy, dtype, self.workload.context_tokens))
+
+    def kernel_figure(self, dtype: str) -> KernelFigure:
+        """kvpolicy's measured decode-attention slope for a dtype."""
+        return self._once(("kernel", dtype), lambda: kernel_figure(self.policy, self.arch, self.gpu, dtype))
+
+
+def estimate(figures: Figures, kv_cache_dtype: str, skip_layers: list[str], facts: dict[str, Any]) -> Estimates:
+    """All estimates for a decided KV dtype and its skip layers, from the deployment's figures."""
+    arch, gpu, workload = figures.arch, figures.gpu, figures.workload
     tp = workload.tp
-    layout = Layout.of(arch, kv_cache_dtype, skip_layers, tp)
-    bf16 = Layout.of(arch, "auto", (), tp)
-    budget = kv_budget_bytes(arch, gpu, workload)
+    layout = figures.layout(kv_cache_dtype, skip_layers)
+    bf16 = figures.layout("auto")
+    budget = figures.budget
     budget_basis = (f"{gpu.memory_gib:g} GiB x {workload.gpu_memory_utilization:g} - weights "
                     f"{arch.weight_bytes / 1e9:.1f} GB / tp {tp} - reserve {RUNTIME_RESERVE_GIB:g} GiB "
                     f"= {budget / GIB:.1f} GiB per rank")
@@ -200,7 +242,7 @@ def estimate(policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload, 
         return max(0, int(budget // l.bytes_per_token()))
 
     cap, cap_bf16 = capacity(layout), capacity(bf16)
-    conc, conc_bf16 = max_concurrency(layout, budget, workload), max_concurrency(bf16, budget, workload)
+    conc, conc_bf16 = figures.max_concurrency(kv_cache_dtype, skip_layers), figures.max_concurrency("auto")
     per_req = layout.request_bytes(workload.context_tokens)
     per_req_bf16 = bf16.request_bytes(workload.context_tokens)
     return Estimates(
@@ -216,9 +258,8 @@ def estimate(policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload, 
                                         f"{per_req_bf16:,} BF16 / {per_req:,}"),
         max_concurrency=Estimate(value=conc, unit="requests", provenance="modelled",
                                  basis=f"{budget_basis} / {per_req:,} bytes per request (BF16: {conc_bf16})"),
-        itl_slope_ratio=slope_ratio(policy, arch, gpu, layout, kv_cache_dtype, skip_layers, tp, facts),
-        kernel_slope_ratio=kernel_slope(policy, arch, gpu, kv_cache_dtype),
-        break_even_tokens=break_even(policy, arch, gpu, kv_cache_dtype, skip_layers, facts),
-        accuracy_recovery=recovery(policy, kv_cache_dtype, workload.context_tokens),
+        itl_slope_ratio=slope_ratio(figures.policy, figures.itl, layout, bf16, kv_cache_dtype, skip_layers, facts),
+        kernel_slope_ratio=kernel_slope(figures.kernel_figure(kv_cache_dtype)),
+        break_even_tokens=figures.break_even(kv_cache_dtype, skip_layers, facts),
+        accuracy_recovery=figures.recovery(kv_cache_dtype),
     )
-

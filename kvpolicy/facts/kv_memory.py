@@ -96,8 +96,7 @@ class _ArchKey:
 
     def __init__(self, arch: ModelArch) -> None:
         self.arch = arch
-        self.content = tuple(tuple(v) if isinstance(v, list) else v
-                             for v in (getattr(arch, name) for name in type(arch).model_fields))
+        self.content = arch.content_key
 
     def __hash__(self) -> int:
         return hash(self.content)

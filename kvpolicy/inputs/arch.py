@@ -125,6 +125,18 @@ class ModelArch(BaseModel):
         """True when layers of more than one cache kind exist (sliding, linear or shared beside full)."""
         return len({t for t in self.layer_types if t != "shared"}) > 1
 
+    @cached_property
+    def content_key(self) -> tuple[Any, ...]:
+        """Every field as one hashable tuple (lists as tuples): tables derived from the architecture are cached by it."""
+        return tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(self, n) for n in type(self).model_fields))
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> ModelArch:
+        """A copy with `update` applied, whose derived values (the cached properties) are computed afresh."""
+        copy = super().model_copy(update=update, deep=deep)
+        for name in ("kind_counts", "max_head_dim", "kv_layer_indices", "is_hybrid", "content_key"):
+            copy.__dict__.pop(name, None)
+        return copy
+
     @property
     def weight_bytes(self) -> float:
         """Weight memory in bytes (all ranks); 2 bytes per parameter when not given."""

@@ -8,7 +8,7 @@ HTTP service and `apply` call; nothing else assembles a Recommendation.
 from __future__ import annotations
 
 from kvpolicy.facts.build import build_facts
-from kvpolicy.facts.estimates import estimate
+from kvpolicy.facts.estimates import Figures, estimate
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_loader import LoadedPolicy
@@ -22,11 +22,11 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
     """Decide the KV cache for one deployment and explain it."""
     # load_policy() already rejected unknown facts, thresholds and dtypes.
     policy = loaded.policy
-    facts = build_facts(arch, gpu, workload, policy)
+    figures = Figures(policy, arch, gpu, workload)
+    facts = build_facts(arch, gpu, workload, policy, figures=figures)
     outcome = decide(policy, facts)
     decision = outcome.decision
-    ests = estimate(policy, arch, gpu, workload, decision.kv_cache_dtype, decision.skip_layers,
-                    outcome.trace["facts"])
+    ests = estimate(figures, decision.kv_cache_dtype, decision.skip_layers, outcome.trace["facts"])
     by_id = {e.id: e for e in policy.evidence}
     evidence = [EvidenceRef(id=i, statement=by_id[i].statement, source=by_id[i].source)
                 for i in outcome.evidence_ids if i in by_id]

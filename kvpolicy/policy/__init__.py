@@ -1,0 +1,1 @@
+"""Policy as code: lint, unit tests, deployment checks, diff and the starter of a team's policy files."""

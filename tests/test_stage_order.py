@@ -198,3 +198,15 @@ def test_the_checks_see_a_violation():
     finally:
         for src, _ in planted:
             GRAPH[src].pop()
+
+
+def test_every_package_is_installed():
+    """pyproject lists the packages (packages.find cannot follow the kernels' remap): a new stage folder must be
+    listed too, or a non-editable install lacks it."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed = setuptools["packages"]
+    if isinstance(listed, dict):  # packages.find: every folder is found
+        return
+    folders = {m for m, path in MODULES.items() if path.name == "__init__.py"}
+    assert sorted(folders - set(listed)) == []

@@ -1,6 +1,6 @@
 """Per-layer paged KV caches for one model architecture and one KV variant.
 
-`plan_layers` maps the variant onto the model's layers through the estimates'
+`plan_layers` maps the variant onto the model's layers through the facts'
 `Layout` (skip layers BF16, TurboQuant's BF16 boundary layers), so the runtime
 and `recommend` agree on which layer holds which format. `allocate` builds the
 caches; the bytes each cache takes per token must equal `layer_kv_bytes_per_token`
@@ -134,7 +134,7 @@ def _shared_sources(arch: ModelArch) -> dict[int, int]:
 
 
 def plan_layers(arch: ModelArch, variant: Variant) -> list[LayerPlan]:
-    """Per-layer plan of a variant on an architecture (formats from the estimates' Layout)."""
+    """Per-layer plan of a variant on an architecture (formats from the facts' `Layout`)."""
     layout = Layout.of(arch, variant.kv_cache_dtype, list(variant.skip_layers))
     sources = _shared_sources(arch)
     plans: list[LayerPlan] = []

@@ -146,17 +146,8 @@ def _note(text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build, check and launch (or print / write) the vLLM command for the decision."""
-    from kvpolicy.outputs.vllm_flags import (
-        LATEST_KNOWN,
-        environment_notes,
-        format_version,
-        merge_user_args,
-        option_groups,
-        parse_version,
-        plan_flags,
-        realisation,
-        retired_flag,
-    )
+    from kvpolicy.outputs.vllm_flags import (LATEST_KNOWN, environment_notes, format_version, merge_user_args,
+                                             option_groups, parse_version, plan_flags, realisation, retired_flag)
     from kvpolicy.outputs.vllm_launch import INSTALL_HINT, config_yaml, exec_vllm, find_vllm, shell_line, validate
 
     user_args = user_vllm_args(args.vllm_args)

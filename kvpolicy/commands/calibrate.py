@@ -36,15 +36,8 @@ def _note(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write (or print) the recipe and the command that runs it."""
     from kvpolicy.commands.apply import decide
-    from kvpolicy.outputs.calibrate import (
-        INSTALL_HINT,
-        checkpoint_strategy,
-        has_llmcompressor,
-        oneshot_command,
-        recipe_yaml,
-        shell_line,
-        strategy_for,
-    )
+    from kvpolicy.outputs.calibrate import (INSTALL_HINT, checkpoint_strategy, has_llmcompressor, oneshot_command,
+                                            recipe_yaml, shell_line, strategy_for)
 
     rec, arch, model_ref = decide(args)
     source = rec.decision.scale_source

@@ -1,35 +1,26 @@
 """Hopper FP8 paged decode in Gluon: TMA page copies and fp8 wgmma with tokens as M.
 
-Why a second kernel: the Triton kernel (`decode_attention.py`) reads FP8 KV at
-3.4-3.5 TB/s at 128k on an H200 against a 4.4 TB/s read roofline; it is bound by
-a per-tile dependency chain that Triton does not let us reshape (bench/NOTES.md
-v6-v7). Gluon exposes the pieces (NOTES.md v8):
-- a producer warp (`gl.warp_specialize`) copies each 16-token page of K and V with
-  one TMA copy into a ring of stages (full/empty mbarrier per stage), running up to
-  a ring ahead of the consumer, with the next tile's page ids loaded while the
-  copies fly: the compute warps never compute an address or wait on the table;
-- S^T = K.Q^T is an fp8 wgmma with the tile's tokens as M (64 or 128) and the GQA
-  group as N (8 or 16): K goes from shared memory to the tensor cores untouched;
-  the query is quantised to e4m3 once per program (as `fp8_query=True` in the
-  Triton kernel, and as vLLM's FA3 FP8 path does);
-- V is converted e4m3 -> fp16 once per tile into shared memory, and
-  O^T = V^T.P^T is an fp16 wgmma (an fp8 wgmma needs V K-major, i.e. transposed);
-- per thread the state is tiny (S^T and O^T are [tile, 8] and [head_dim, 8] over
-  128 threads), the denominator is kept per position and summed after the loop.
-Measured on an H200 (bench/RESULTS.md): 4.2-4.3 TB/s of KV at 128k at batch 8, 0.52-0.54x
-cuDNN BF16's slope, against 3.4 TB/s and 0.66x for the Triton kernel.
+Why a second kernel: the Triton kernel (`decode_attention.py`) is bound by a per-tile dependency chain
+that Triton does not let us reshape; Gluon exposes the pieces:
+- a producer warp (`gl.warp_specialize`) copies each 16-token page of K and V with one TMA copy into a
+  ring of stages (full/empty mbarrier per stage), running up to a ring ahead of the consumer, with the
+  next tile's page ids loaded while the copies fly: the compute warps never compute an address or wait
+  on the table;
+- S^T = K.Q^T is an fp8 wgmma with the tile's tokens as M and the GQA group as N (8 or 16): K goes from
+  shared memory to the tensor cores untouched; the query is quantised to e4m3 once per program (as vLLM's
+  FA3 FP8 path does);
+- V is converted e4m3 -> fp16 once per tile into shared memory, and O^T = V^T.P^T is an fp16 wgmma (an
+  fp8 wgmma needs V K-major, i.e. transposed);
+- the denominator is kept per position and summed after the loop.
+Figures: bench/RESULTS.md; designs: bench/KERNELS.md.
 
-Scope: FP8 (e4m3) caches with 16-token pages in vLLM's NHD layout or the HND
-layout, head_dim 64 or 128, GQA groups up to 16, sm_90 only; `decode_attention`
-routes here with `fp8_query=True` and `kernel="gluon"` or `"auto"`, and the results
-(partials and log-sum-exp) use the Triton kernel's merge. Gluon does not run
-under the interpreter: this kernel is tested on the GPU only
+Scope: FP8 (e4m3) caches with 16-token pages in vLLM's NHD layout or the HND layout, head_dim 64 or 128,
+GQA groups up to 16, sm_90 only; `decode_attention.decode_attention` routes here with `fp8_query=True` and
+`kernel="gluon"` or `"auto"`. Gluon does not run under the interpreter: tested on the GPU only
 (tests/kernels/test_decode_gluon.py), against the same float64 reference.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -44,29 +35,28 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
-PAGE = 16
+from kvpolicy.kernels.formats import FP8_E4M3_MAX
+from kvpolicy.kernels.formats import PAGE as FORMAT_PAGE
+from kvpolicy.kernels.launch import LOG2E, merge_splits, resident_programs, span, split_count, split_partials, split_tiles
+
+PAGE = FORMAT_PAGE
 """Page size this kernel handles (vLLM's default block size)."""
 HEAD_DIMS = (64, 128)
 """Head dims it takes."""
 MAX_GROUP = 16
 """Largest GQA group (query heads per KV head) it packs into one tile (N of the score MMA)."""
+BLOCK_N = 128
+"""Tokens per tile (8 pages per TMA batch): the M of the score MMA."""
+MAXNREG = 128
+"""Registers per thread at launch, over the program's 8 warps (the consumer warpgroup, and the producer warp
+padded to a warpgroup); setmaxnreg then moves the producer's share to the consumer."""
+_FP8_MAX = gl.constexpr(FP8_E4M3_MAX)
 
 
-@gluon.jit
-def split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN: gl.constexpr, HAS_WINDOW: gl.constexpr):
-    """(seq_len, first attended position, first tile, end tile) of this program's split: the attended range
-    [start, seq_len) in whole BN-token tiles, cut into `num_splits` runs of equal tile counts."""
-    seq_len = gl.load(seq_lens_ptr + seq)
-    start = 0
-    if HAS_WINDOW:
-        start = gl.maximum(seq_len - window, 0)
-    first_tile = start // BN
-    end_tile = (seq_len + BN - 1) // BN
-    tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
-    tile_lo = first_tile + split * tiles_per_split
-    tile_hi = gl.minimum(tile_lo + tiles_per_split, end_tile)
-    return seq_len, start, tile_lo, tile_hi
+def stages(head_dim: int) -> int:
+    """K/V tiles in flight per program (the ring of TMA stages): 2 at head_dim 128, where shared memory allows
+    two programs per SM, 3 at head_dim 64."""
+    return 3 if head_dim <= 64 else 2
 
 
 @gluon.jit
@@ -105,10 +95,9 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, full, empty, bt_row, seq_len, tile
     and of V) once the consumer has freed the tile's stage."""
     PG: gl.constexpr = 16
     PAGES: gl.constexpr = BN // PG
+    gl.static_assert(PAGES == 8, "two TMA batches of 4 pages per tile")
     a0, a1, a2, a3 = _page_ids(bt_row, tile_lo * PAGES, seq_len, n_tiles > 0, PG)
-    b0, b1, b2, b3 = a0, a1, a2, a3
-    if BN == 128:
-        b0, b1, b2, b3 = _page_ids(bt_row, tile_lo * PAGES + 4, seq_len, n_tiles > 0, PG)
+    b0, b1, b2, b3 = _page_ids(bt_row, tile_lo * PAGES + 4, seq_len, n_tiles > 0, PG)
     for i in range(n_tiles):
         stage = i % STAGES
         # A fresh mbarrier passes a wait on the phase before its first: the first STAGES tiles go straight out.
@@ -118,12 +107,10 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, full, empty, bt_row, seq_len, tile
         kb = k_bufs.index(stage)
         vb = v_bufs.index(stage)
         _issue_pages(k_desc, v_desc, kb, vb, bar, 0, a0, a1, a2, a3, head_row, head_col, PAGE_ROWS, PG)
-        if BN == 128:
-            _issue_pages(k_desc, v_desc, kb, vb, bar, 64, b0, b1, b2, b3, head_row, head_col, PAGE_ROWS, PG)
+        _issue_pages(k_desc, v_desc, kb, vb, bar, 64, b0, b1, b2, b3, head_row, head_col, PAGE_ROWS, PG)
         nxt = (tile_lo + i + 1) * PAGES
         a0, a1, a2, a3 = _page_ids(bt_row, nxt, seq_len, i + 1 < n_tiles, PG)
-        if BN == 128:
-            b0, b1, b2, b3 = _page_ids(bt_row, nxt + 4, seq_len, i + 1 < n_tiles, PG)
+        b0, b1, b2, b3 = _page_ids(bt_row, nxt + 4, seq_len, i + 1 < n_tiles, PG)
 
 
 @gluon.jit
@@ -258,7 +245,7 @@ def _decode_gluon_kernel(
     offs_qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
     q = gl.load(q_ptr + seq * stride_qb + (kv_head * GROUP + offs_qh)[:, None] * stride_qh + offs_qd[None, :],
                 mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32)
-    q_scale = gl.maximum(gl.max(gl.max(gl.abs(q), 1), 0) / 448.0, 1e-30)
+    q_scale = gl.maximum(gl.max(gl.max(gl.abs(q), 1), 0) / _FP8_MAX, 1e-30)
     q_smem.store((q / q_scale).to(gl.float8e4nv))
     qk_scale = sm_scale * LOG2E * q_scale
     if HAS_K_SCALE:
@@ -334,75 +321,40 @@ def cache_descriptor(cache: torch.Tensor) -> tuple[TensorDescriptor, int, int, i
     return (TensorDescriptor(cache, [rows, cols], [cols, 1], [PAGE, d], layout), *where)
 
 
-def supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[bool, str]:
-    """Whether `decode_gluon` handles these tensors, and if not, why (the caller may fall back to Triton;
-    the device is `decode_attention.gluon_runs_on`'s to check)."""
+def refusal(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
+    """Why `decode_gluon` does not handle these tensors ("" when it does; the caller may fall back to Triton, and
+    the device is `launch.gluon_runs_on`'s to check)."""
     if query.shape[1] // key_cache.shape[2] > MAX_GROUP:
-        return False, f"GQA groups above {MAX_GROUP} query heads per KV head"
+        return f"GQA groups above {MAX_GROUP} query heads per KV head"
     if key_cache.stride() != value_cache.stride() or _addressing(key_cache) is None:
-        return False, f"it needs {PAGE}-token pages, head_dim {' or '.join(map(str, HEAD_DIMS))}, and a contiguous NHD cache or the HND view"
-    return True, ""
+        return f"it needs {PAGE}-token pages, head_dim {' or '.join(map(str, HEAD_DIMS))}, and a contiguous NHD cache or the HND view"
+    return ""
 
 
-@dataclass(frozen=True)
-class GluonConfig:
-    """Launch configuration of the Gluon kernel; `default_gluon_config` picks one."""
-
-    block_n: int = 64
-    """Tokens per tile (64 or 128): the M of the score MMA, 4 or 8 pages per TMA batch."""
-    stages: int = 4
-    """K/V tiles in flight per program (the ring of TMA stages)."""
-    maxnreg: int = 128
-    """Registers per thread at launch, over the program's 8 warps (the consumer warpgroup, and the producer
-    warp padded to a warpgroup); setmaxnreg then moves the producer's share to the consumer (at 128: 232
-    registers per consumer thread). 128 holds 2 programs per SM, 80 holds 3 (consumer: 136)."""
-
-
-def default_gluon_config(head_dim: int) -> GluonConfig:
-    """The fastest of 64/128-token tiles x 2-4 stages x 3 split counts on an H200 (bench/probe_gluon.py,
-    bench/results_probe_gluon_tiles_h200.json; NOTES.md v8), at 16k and 128k, batch 1 and 8:
-    - head_dim 128: 128-token tiles, 2 stages (2 programs per SM by shared memory): Llama layer, batch 8,
-      128k, NHD 498 us against 501 for 64-token tiles at 4 stages; batch 1 70.9 against 72.7 us;
-    - head_dim 64: 128-token tiles, 3 stages (3 programs per SM by registers): gpt-oss layer, batch 8,
-      128k, NHD 258 us against 318 for 64-token tiles at 4 stages; batch 1 40.9 against 45.8 us.
-    The per-tile fixed cost (mbarrier waits, the cross-warp max, two CTA barriers) is what the bigger
-    tile halves; at head_dim 64 a 64-token tile moves only 8 KB."""
-    if head_dim <= 64:
-        return GluonConfig(block_n=128, stages=3)
-    return GluonConfig(block_n=128, stages=2)
-
-
-def smem_bytes(head_dim: int, cfg: GluonConfig, group: int = 8) -> int:
-    """Shared memory of one program: the e4m3 K and V stages, the fp16 V tile, P, the query, the mbarriers
-    and 1 KB for the compiler's scratch (the sm_90 compile measured, at 64-token tiles and 4 stages,
-    84,164 B at head_dim 128 and 42,692 B at 64, where this formula gives 85,056 and 43,584; at 128-token
-    tiles and 2 stages 101,540 B at 128 and 51,876 B at 64, formula 102,432 and 52,768)."""
+def smem_bytes(head_dim: int, group: int = 8) -> int:
+    """Shared memory of one program: the e4m3 K and V stages, the fp16 V tile, P, the query, the mbarriers and
+    1 KB for the compiler's scratch (within 0.9 KB of the sm_90 compile's figure)."""
     nh = max(8, triton.next_power_of_2(group))
-    bn = cfg.block_n
-    return cfg.stages * 2 * bn * head_dim + bn * head_dim * 2 + nh * bn * 2 + nh * head_dim + 2 * cfg.stages * 8 + 1024
+    n = stages(head_dim)
+    return n * 2 * BLOCK_N * head_dim + BLOCK_N * head_dim * 2 + nh * BLOCK_N * 2 + nh * head_dim + 2 * n * 8 + 1024
 
 
-def programs_per_sm(head_dim: int, device: torch.device, cfg: GluonConfig) -> int:
-    """Programs resident per SM (registers and shared memory): on an H200 at the default configs, 2 at
-    head_dim 128 (shared memory) and 3 at 64 (registers and shared memory)."""
-    from kvpolicy.kernels.decode_attention import resident_programs
-
-    # 8 warps: the producer's one warp is launched as a whole warpgroup (setmaxnreg works per warpgroup),
-    # so a program holds 256 threads x maxnreg registers (PTX `.reqntid 256`).
-    return resident_programs(cfg.maxnreg, smem_bytes(head_dim, cfg), 8, device)
+def programs_per_sm(head_dim: int, device: torch.device) -> int:
+    """Programs resident per SM (registers and shared memory): 2 on an H200 at both head dims. A program holds
+    256 threads x MAXNREG registers: the producer's one warp is launched as a whole warpgroup (setmaxnreg works
+    per warpgroup)."""
+    return resident_programs(MAXNREG, smem_bytes(head_dim), 8, device)
 
 
 def decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, *, k_scale, v_scale, k_stride, v_stride,
-                 sm_scale: float, sliding_window: int | None, sinks, two_level: bool, splits: int,
-                 out: torch.Tensor, config: GluonConfig | None = None) -> torch.Tensor:
-    """Run the Gluon kernel (and the Triton merge when split); inputs already validated by `decode_attention`."""
-    from kvpolicy.kernels.decode_attention import launch_merge, split_partials
-
+                 sm_scale: float, sliding_window: int | None, sinks, two_level: bool, num_splits: int | None,
+                 out: torch.Tensor) -> torch.Tensor:
+    """Run the Gluon kernel (and the merge when split); inputs already validated by `decode_attention`. One wave
+    of splits (`launch.split_count` without extra waves): more waves measured slower here."""
     batch, num_q_heads, head_dim = query.shape
-    cfg = config or default_gluon_config(head_dim)
-    if cfg.block_n not in (64, 128) or cfg.stages < 2:
-        raise ValueError(f"GluonConfig: block_n must be 64 or 128 and stages >= 2, got {cfg}")
     num_kv_heads = key_cache.shape[2]
+    splits = num_splits or split_count(batch, num_kv_heads, span(block_tables, PAGE, sliding_window, BLOCK_N),
+                                       BLOCK_N, programs_per_sm(head_dim, query.device), query.device, waves=())
     group = num_q_heads // num_kv_heads
     k_desc, page_rows, head_rows, head_cols = cache_descriptor(key_cache)
     v_desc, *_ = cache_descriptor(value_cache)
@@ -417,13 +369,13 @@ def decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, *, k_sca
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         num_q_heads * splits, splits, 1,
         GROUP=group, NH=max(8, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_ROWS=page_rows, HEAD_ROWS=head_rows, HEAD_COLS=head_cols, STAGES=cfg.stages,
+        PAGE_ROWS=page_rows, HEAD_ROWS=head_rows, HEAD_COLS=head_cols, STAGES=stages(head_dim),
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         K_SCALE_STRIDE=k_stride, V_SCALE_STRIDE=v_stride,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and not is_split,
-        IS_SPLIT=is_split, TWO_LEVEL=two_level, BN=cfg.block_n,
-        num_warps=4, maxnreg=cfg.maxnreg,
+        IS_SPLIT=is_split, TWO_LEVEL=two_level, BN=BLOCK_N,
+        num_warps=4, maxnreg=MAXNREG,
     )
     if is_split:
-        launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)
+        merge_splits(part_out, part_lse, sinks, out, splits)
     return out

@@ -19,21 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_E4M3_MAX = 448.0
-"""Largest finite e4m3fn value; stored values saturate here."""
+from kvpolicy.kernels.formats import FP8_E4M3_MAX, PAGED_DTYPES
 
-_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "auto": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-}
+_CACHE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, dtype) for name, dtype in PAGED_DTYPES.items()}
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
 def fp8_e4m3_bits(x):
     """e4m3fn code (int32 in 0..255) of fp32 `x`: round to nearest even, saturate finite values to +-448."""
-    a = tl.minimum(tl.abs(x), 448.0)
+    a = tl.minimum(tl.abs(x), _FP8_MAX)
     bits = a.to(tl.int32, bitcast=True)
     # Normal range (a >= 2**-6): keep 3 mantissa bits with round-half-even; a
     # mantissa carry runs into the exponent field on its own.
@@ -240,7 +235,7 @@ def allocate_cache(
     `layout` "HND" keeps the logical shape and stores each page head-major (a permuted view, as vLLM's
     stride order does): one KV head's page is then block_size x head_dim contiguous bytes instead of
     block_size rows of head_dim bytes, which the decode kernels read faster at small head_dim
-    (bench/NOTES.md v7). Every kernel here takes either.
+    (bench/KERNELS.md). Every kernel here takes either.
     """
     if dtype_name not in _CACHE_DTYPES:
         raise ValueError(f"kv-cache dtype {dtype_name!r} is not supported by these kernels; use one of {sorted(_CACHE_DTYPES)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-FP8_E4M3_MAX = 448.0
+from kvpolicy.kernels.formats import FP8_E4M3_MAX
 
 
 def _scale_per_head(scale: torch.Tensor | None, num_kv_heads: int, device: torch.device) -> torch.Tensor:

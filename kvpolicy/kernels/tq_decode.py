@@ -1,58 +1,39 @@
-"""Decode attention straight from a packed TurboQuant cache (dequantization fused, split-KV, GQA-packed).
+"""TurboQuant decode attention: the portable Triton kernel (dequantization fused, split-KV, GQA-packed), and
+`decode_attention_tq`, the entry point that also routes planar caches to the Hopper Gluon kernels.
 
-One program takes the query heads of one KV head (padded to BLOCK_M >= 16 rows
-so the products run on tensor cores), one sequence, and one split of its
-context. Per tile of BLOCK_N tokens it loads only the packed bytes, with one
-64-bit base per page and compile-time row offsets:
+One program takes the query heads of one KV head (padded to BLOCK_M >= 16 rows so the products run on
+tensor cores), one sequence, and one split of its context. Per tile of BLOCK_N tokens it loads only the
+packed bytes, with one 64-bit base per page and compile-time row offsets:
 
-- keys: the query was rotated once (Pi q, folded with sm_scale*log2(e)), so a
-  centroid key never needs the inverse rotation. Sign-magnitude codes unpack
-  in registers: a short PTX program (`turboquant.k4_program`, `k3_program`)
-  reads the fp16 magnitudes from a 2-4 register table with byte permutes and
-  XORs the sign; the fp16 centroids go straight into `tl.dot`, and the
-  per-token norm multiplies the score column. FP8 keys convert in registers.
-- values: never dequantized. sum_j p_j (code_j * scale_j + zero_j) =
-  dot(p * scale, codes) + sum_j p_j zero_j, so the scale folds into P (one
-  multiply per score) and the zero point into a per-row scalar; the codes
-  become exact fp16 integers by a mantissa trick (`v4_program`, `v3_program`).
+- keys: the query was rotated once (Pi q, folded with sm_scale*log2(e)), so a centroid key never needs the
+  inverse rotation. Sign-magnitude codes unpack in registers: a short PTX program (`turboquant.k4_program`,
+  `k3_program`) reads the fp16 magnitudes from a 2-4 register table with byte permutes and XORs the sign;
+  the fp16 centroids go straight into `tl.dot`, and the per-token norm multiplies the score column. FP8
+  keys convert in registers.
+- values: never dequantized. sum_j p_j (code_j * scale_j + zero_j) = dot(p * scale, codes) + sum_j p_j
+  zero_j, so the scale folds into P (one multiply per score) and the zero point into a per-row scalar; the
+  codes become exact fp16 integers by a mantissa trick (`v4_program`, `v3_program`).
 
-Under the Triton interpreter (no PTX) the same values come from pure-Triton
-code (`ASM=False`). Nothing dequantized is ever written to memory. With
-several splits each program writes a normalised partial output and its base-2
-log-sum-exp, and `_tq_merge_kernel` combines them (and the sinks).
-
-This kernel reads the slot layout [blocks, block_size, kv_heads, slot_bytes]. On Hopper,
-`kernel="gluon"` or `"auto"` routes TurboQuant caches on planar pages to `tq_gluon.py`
-(0.50-0.78x cuDNN's slope where this kernel is at 0.99-1.87x; bench/RESULTS.md).
+Under the Triton interpreter (no PTX) the same values come from pure-Triton code (`ASM=False`). Nothing
+dequantized is ever written to memory. This kernel reads the slot layout [blocks, block_size, kv_heads,
+slot_bytes]; on Hopper, planar caches go to `tq_gluon` (FP8 keys) or `tq_warp` (centroid keys), which
+measured 2-4x faster (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kvpolicy.kernels.decode_attention import split_count
+from kvpolicy.kernels.formats import PAGE as PLANAR_PAGE
+from kvpolicy.kernels.formats import WARP_ORDER_FORMATS, tq_layout
+from kvpolicy.kernels.launch import LOG2E, interpreting, merge_splits, split_count, split_partials
 from kvpolicy.kernels.reductions import rmax, rsum
-from kvpolicy.kernels.turboquant import (
-    PLANAR_PAGE,
-    k3_program,
-    k4_program,
-    kernel_tables,
-    render_ptx,
-    tq_layout,
-    v3_program,
-    v4_program,
-)
-
-LOG2E = 1.4426950408889634
-
-
-
+from kvpolicy.kernels.turboquant import k3_program, k4_program, kernel_tables, render_ptx, v3_program, v4_program
 
 _K4_ASM = tl.constexpr(render_ptx(k4_program()))
 _K3_ASM = tl.constexpr(render_ptx(k3_program()))
@@ -341,7 +322,7 @@ def _tq_decode_kernel(
     if not SPLIT:
         den = l_i
         if HAS_SINKS:
-            sink = tl.load(sinks_ptr + qh, mask=m_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            sink = tl.load(sinks_ptr + qh, mask=m_mask, other=0.0).to(tl.float32) * LOG2E
             den = den + tl.exp2(sink - m_i)
         inv = 1.0 / den
         o_base = out_ptr + b * stride_ob + qh[:, None] * stride_oh
@@ -369,67 +350,31 @@ def _tq_decode_kernel(
                  mask=m_mask[:, None])
 
 
-@triton.jit
-def _tq_merge_kernel(
-    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr,
-    stride_ob, stride_oh,
-    num_splits, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = pid // NUM_HEADS
-    h = pid % NUM_HEADS
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < num_splits
-    lse = tl.load(part_lse_ptr + pid * num_splits + offs_s, mask=s_mask, other=float("-inf"))
-    m = rmax(lse, axis=0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
-        m = tl.maximum(m, sink)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
-    cols = tl.arange(0, HEAD_DIM)
-    o = tl.load(part_o_ptr + (pid * num_splits + offs_s)[:, None] * HEAD_DIM + cols[None, :],
-                mask=s_mask[:, None], other=0.0)
-    num = rsum(w[:, None] * o, axis=0)
-    den = rsum(w, axis=0)
-    if HAS_SINKS:
-        den += tl.exp2(sink - m)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, (num / den).to(out_ptr.dtype.element_ty))
-
-
 class Tiling(NamedTuple):
-    """A launch tiling of `_tq_decode_kernel` and how many of its programs an SM holds at once."""
+    """The launch tiling of `_tq_decode_kernel` for a format and head_dim, and how many of its programs an SM
+    holds at once; FP8 keys also load the next tile's bytes while a tile is computed (register prefetch)."""
 
     block_n: int
     num_warps: int
-    prefetch: bool
     maxnreg: int | None
     programs_per_sm: float
-    """Resident programs per SM on an H200 (registers decide), as the split-count sweep found them
-    (bench/NOTES.md v7); `default_num_splits` fills whole waves of them."""
+    """Resident programs per SM on an H200 (registers decide): `default_num_splits` fills whole waves of them."""
 
 
 def default_tiling(key_bits: int, head_dim: int) -> Tiling:
-    """The tiling for a key width and head_dim: what won the in-run tuning on an H200 (bench_decode,
-    batch 8, 32k and 128k; NOTES_TQ.md, third session).
-
-    FP8 keys keep 128-token tiles with the register prefetch of the next tile (2 programs per SM).
-    4-bit keys at head_dim 128 run 64-token tiles capped at 128 registers (4 programs per SM instead
-    of 3; -4% at 128k); at head_dim 64, 128-token tiles (2 per SM). 3-bit keys run 64-token tiles
-    on 2 warps (4 per SM; more, smaller programs: -2% on the Llama layer, -14% on gpt-oss's at 128k)."""
+    """The tiling for a key width and head_dim: what measured fastest on an H200. 128-token tiles for FP8 keys;
+    4-bit keys at head_dim 128 on 64-token tiles capped at 128 registers (4 programs per SM instead of 3), at
+    head_dim 64 on 128-token tiles; 3-bit keys on 64-token tiles of 2 warps (more, smaller programs)."""
     if key_bits == 8:
-        return Tiling(128, 4, True, None, 2.0)
+        return Tiling(128, 4, None, 2.0)
     if key_bits == 4:
-        return Tiling(64, 4, False, 128, 4.0) if head_dim >= 128 else Tiling(128, 4, False, None, 2.0)
-    return Tiling(64, 2, False, None, 4.0)
+        return Tiling(64, 4, 128, 4.0) if head_dim >= 128 else Tiling(128, 4, None, 2.0)
+    return Tiling(64, 2, None, 4.0)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device,
                        programs_per_sm: float = 2.0) -> int:
-    """Splits that fill whole waves of `programs_per_sm` resident programs (`decode_attention.split_count`).
-
-    Measured over 2-64 splits at 4k-128k, batch 1 and 8 (`bench/results_splits_tq_h200.json`): 4.2% slower
-    on average than the best count with the earlier 8-16 programs per SM, 0.6% with this."""
+    """Splits that fill whole waves of `programs_per_sm` resident programs (`launch.split_count`, at most 64)."""
     if device.type != "cuda":
         return 1 if max_context <= 4 * block_n else 2
     return min(64, split_count(batch, num_kv_heads, max_context, block_n, programs_per_sm, device))
@@ -438,22 +383,18 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n:
 def decode_attention_tq(
     query: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, fmt: str,
     *, sm_scale: float | None = None, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
-    num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int = 2, use_asm: bool | None = None, prefetch: bool | None = None,
-    maxnreg: int | None = None, out: torch.Tensor | None = None, kernel: str = "triton",
+    num_splits: int | None = None, out: torch.Tensor | None = None, kernel: str = "triton",
 ) -> torch.Tensor:
     """Decode attention of `query` [B, Hq, D] over a packed TurboQuant cache; returns [B, Hq, D] in query's dtype.
 
-    `cache` uint8 [num_blocks, block_size, num_kv_heads, slot_bytes]; `block_tables`
-    int32 [B, max_blocks]; `seq_lens` int32 [B] (each >= 1). Query head h reads KV
-    head h // (Hq // num_kv_heads). `sliding_window` W attends positions >= seq_len - W;
-    `sinks` fp32 [Hq] join the softmax denominator only. `use_asm` picks the PTX
-    register-LUT unpackers (default on a GPU; the interpreter runs the
-    equivalent pure-Triton path). `maxnreg` caps the registers per thread (more
-    resident programs, possibly spills). `out` (optional) receives the result.
-    `kernel`: "triton" (this module's kernel), "gluon" (`tq_gluon`: Hopper, head_dim 64/128; raises
-    ValueError saying why where it does not apply) or "auto" (Gluon where it applies, else Triton).
-    The tiling arguments are the Triton kernel's: with any of them set, "auto" picks Triton.
+    `cache` uint8 [num_blocks, block_size, num_kv_heads, slot_bytes] (slots, the Triton kernel's), or planar
+    [num_blocks, num_kv_heads, 16 * slot_bytes] (`turboquant.allocate_tq_planar_cache`, the Gluon kernels');
+    `block_tables` int32 [B, max_blocks]; `seq_lens` int32 [B] (each >= 1). Query head h reads KV head
+    h // (Hq // num_kv_heads). `sliding_window` W attends positions >= seq_len - W; `sinks` fp32 [Hq] join the
+    softmax denominator only. `out` (optional) receives the result.
+    `kernel`: "triton" (this module's kernel), "gluon" (Hopper, head_dim 64/128: `tq_gluon` for FP8 keys,
+    `tq_warp` for centroid keys; raises ValueError saying why where it does not apply) or "auto" (Gluon where
+    it applies, else Triton).
     """
     if kernel not in ("triton", "gluon", "auto"):
         raise ValueError(f"kernel must be 'triton', 'gluon' or 'auto', got {kernel!r}")
@@ -486,73 +427,79 @@ def decode_attention_tq(
         raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dimension; got {tuple(out.shape)}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if kernel != "triton":
-        why = _gluon_refusal(query, cache, fmt, (block_n, num_warps, prefetch, maxnreg, use_asm))
+        why = _gluon_refusal(query, cache, fmt)
         if not why:
-            return _decode_gluon(query, cache, block_tables, seq_lens, fmt, scale=scale,
-                                 sliding_window=sliding_window, sinks=sinks, num_splits=num_splits, out=out)
+            gluon = _gluon_module(fmt)
+            return gluon.decode(query, cache, fmt, block_tables, seq_lens, q_scale=scale * LOG2E.value,
+                                sliding_window=sliding_window, sinks=sinks, num_splits=num_splits, out=out)
         if kernel == "gluon" or planar:
             raise ValueError(f"kernel={kernel!r} cannot decode this call: {why}")
     if planar:
-        raise ValueError("a planar cache is read by the Gluon kernel only (kernel='gluon' or 'auto', on an sm_90 "
+        raise ValueError("a planar cache is read by the Gluon kernels only (kernel='gluon' or 'auto', on an sm_90 "
                          "GPU); the Triton kernel reads the slot layout [blocks, block_size, kv_heads, slot_bytes]")
     tiling = default_tiling(lay.key_bits, d)
-    if (block_n, num_warps, prefetch, maxnreg) == (None, None, None, None):
-        maxnreg = tiling.maxnreg  # the register cap was tuned for the default tile only
-    block_n = tiling.block_n if block_n is None else block_n
-    num_warps = tiling.num_warps if num_warps is None else num_warps
-    prefetch = tiling.prefetch if prefetch is None else prefetch
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group = hq // hkv
     page = cache.shape[1]
     if num_splits is None:
-        # another tile size or warp count: assume 2 resident programs, the default tilings' lower value
-        resident = tiling.programs_per_sm if (block_n, num_warps) == (tiling.block_n, tiling.num_warps) else 2.0
-        num_splits = default_num_splits(bsz, hkv, block_tables.shape[1] * page, block_n, query.device, resident)
-    if use_asm is None:
-        use_asm = query.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        num_splits = default_num_splits(bsz, hkv, block_tables.shape[1] * page, tiling.block_n, query.device,
+                                        tiling.programs_per_sm)
+    use_asm = query.is_cuda and not interpreting()
     tabs = kernel_tables(fmt, d, cache.device)
-    if num_splits > 1:
-        part_o = torch.empty((bsz * hq, num_splits, d), dtype=torch.float32, device=query.device)
-        part_lse = torch.empty((bsz * hq, num_splits), dtype=torch.float32, device=query.device)
-    else:
-        part_o = part_lse = out  # unused
+    part_o, part_lse = split_partials(out, num_splits)
     sinks_arg = sinks if sinks is not None else out
     block_m = max(16, triton.next_power_of_2(group))
     q_rot = query if lay.key_fp8 else _rotated_query(query, fmt, hkv, scale)  # FP8 keys are not rotated
     _tq_decode_kernel[(bsz * hkv, num_splits)](
         query, q_rot, cache, cache.view(torch.float16), block_tables, seq_lens,
         tabs["codebook_sm_unit_f16"], sinks_arg, out, part_o, part_lse,
-        scale * LOG2E, sliding_window or 0, num_splits,
+        scale * LOG2E.value, sliding_window or 0, num_splits,
         query.stride(0), query.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_KV=hkv, GROUP=group, HEAD_DIM=d, SLOT=lay.slot_bytes, PAGE=page,
         KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0),
         VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
-        BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, ASM=use_asm, PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        BLOCK_M=block_m, BLOCK_N=tiling.block_n, SPLIT=num_splits > 1,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, ASM=use_asm, PREFETCH=lay.key_fp8,
+        num_warps=tiling.num_warps, num_stages=2, **({"maxnreg": tiling.maxnreg} if tiling.maxnreg else {}),
     )
     if num_splits > 1:
-        _tq_merge_kernel[(bsz * hq,)](
-            part_o, part_lse, sinks_arg, out, out.stride(0), out.stride(1),
-            num_splits, NUM_HEADS=hq, HEAD_DIM=d, BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
-            HAS_SINKS=sinks is not None, num_warps=4,
-        )
+        merge_splits(part_o, part_lse, sinks, out, num_splits)
     return out
 
 
-def _gluon_refusal(query: torch.Tensor, cache: torch.Tensor, fmt: str, triton_args: tuple) -> str:
-    """Why the Gluon kernel (`tq_gluon`) cannot take this call; "" when it can."""
-    if any(a is not None for a in triton_args):
-        return "block_n, num_warps, prefetch, maxnreg and use_asm are the Triton kernel's"
-    from kvpolicy.kernels import tq_gluon
-    from kvpolicy.kernels.decode_attention import gluon_runs_on
+def _gluon_module(fmt: str):
+    """The Hopper kernel of `fmt`: the per-warp one for centroid keys, the warpgroup one for FP8 keys."""
+    if fmt in WARP_ORDER_FORMATS:
+        from kvpolicy.kernels import tq_warp
 
-    ok, why = tq_gluon.supported(query, cache, fmt)
-    if ok:
-        ok, why = gluon_runs_on(query.device)
-    return "" if ok else why
+        return tq_warp
+    from kvpolicy.kernels import tq_gluon
+
+    return tq_gluon
+
+
+def gluon_refusal(fmt: str, head_dim: int, group: int, page: int) -> str:
+    """Why no Hopper kernel takes layers of this shape ("" when one does): the rules for a layer plan
+    (`LayerPlan.kernel_path`); the device is `launch.gluon_runs_on`'s to check."""
+    if fmt not in WARP_ORDER_FORMATS + ("turboquant_k8v4",):
+        return f"{fmt} is not a TurboQuant format"
+    return _gluon_module(fmt).refusal(fmt, head_dim, group, page)
+
+
+def _gluon_refusal(query: torch.Tensor, cache: torch.Tensor, fmt: str) -> str:
+    """Why the Gluon kernels cannot take this call; "" when one can."""
+    from kvpolicy.kernels.launch import gluon_runs_on
+
+    d = query.shape[2]
+    planar = cache.dim() == 3  # [blocks, kv_heads, page bytes]; a slot cache is refused below
+    why = gluon_refusal(fmt, d, query.shape[1] // cache.shape[1] if planar else 1, PLANAR_PAGE)
+    if not why and (not planar or cache.shape[2] != PLANAR_PAGE * tq_layout(fmt, d).slot_bytes
+                    or not cache.is_contiguous()):
+        why = (f"it reads planar caches of {PLANAR_PAGE}-token pages (turboquant.allocate_tq_planar_cache), "
+               f"not {tuple(cache.shape)}")
+    if not why:
+        why = gluon_runs_on(query.device)[1]
+    return why
 
 
 def _rotated_query(query: torch.Tensor, fmt: str, num_kv_heads: int, scale: float) -> torch.Tensor:
@@ -561,27 +508,7 @@ def _rotated_query(query: torch.Tensor, fmt: str, num_kv_heads: int, scale: floa
     group = hq // num_kv_heads
     q_rot = torch.empty((bsz, hq, d), dtype=torch.float16, device=query.device)
     _tq_rotate_query_kernel[(bsz * num_kv_heads,)](
-        query, kernel_tables(fmt, d, query.device)["rot_t_sign_f16"], q_rot, scale * LOG2E, 1.0 / d,
+        query, kernel_tables(fmt, d, query.device)["rot_t_sign_f16"], q_rot, scale * LOG2E.value, 1.0 / d,
         query.stride(0), query.stride(1), NUM_KV=num_kv_heads, GROUP=group, HEAD_DIM=d,
         BLOCK_M=max(16, triton.next_power_of_2(group)), num_warps=4)
     return q_rot
-
-
-def _decode_gluon(query, cache, block_tables, seq_lens, fmt, *, scale, sliding_window, sinks, num_splits,
-                  out) -> torch.Tensor:
-    from kvpolicy.kernels import tq_gluon
-    from kvpolicy.kernels.decode_attention import _span
-
-    bsz, _, d = query.shape
-    hkv = cache.shape[1]
-    cfg = tq_gluon.default_config(fmt, d)
-    if num_splits is None:
-        span = _span(block_tables, tq_gluon.PAGE, sliding_window, cfg.block_n)
-        num_splits = tq_gluon.default_splits(fmt, bsz, hkv, span, d, query.device, cfg)
-    if tq_layout(fmt, d).key_fp8 or (cfg.per_warp and cfg.rotate_query):
-        q16, q_scale = query, scale * LOG2E  # FP8 keys are not rotated; with rotate_query the kernel rotates
-    else:
-        q16, q_scale = _rotated_query(query, fmt, hkv, scale), 1.0
-    return tq_gluon.decode_tq_gluon(query, q16, q_scale, cache, fmt, block_tables, seq_lens,
-                                    sliding_window=sliding_window, sinks=sinks, splits=num_splits, out=out,
-                                    config=cfg)

@@ -11,9 +11,8 @@ import math
 
 import torch
 
+from kvpolicy.kernels.formats import FP8_E4M3_MAX, PAGE, tq_layout
 from kvpolicy.kernels.turboquant import (
-    FP8_E4M3_MAX,
-    PLANAR_PAGE,
     codebook_boundaries,
     hadamard_rotation,
     int8_centroid_codebook,
@@ -22,7 +21,6 @@ from kvpolicy.kernels.turboquant import (
     sign_magnitude_codes,
     slots_from_planar,
     sorted_index,
-    tq_layout,
 )
 
 # --- quantizers -------------------------------------------------------------------
@@ -179,7 +177,7 @@ def dequantize_slots_ref(slots: torch.Tensor, fmt: str, head_dim: int,
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: str) -> None:
     """Reference store: pack K/V [T, H, D] into `cache` at `slot_mapping` (negative slots skipped); into a
-    planar cache (`turboquant.allocate_tq_planar_cache`, PLANAR_PAGE-token pages) each slot byte goes where
+    planar cache (`turboquant.allocate_tq_planar_cache`, PAGE-token pages) each slot byte goes where
     `planar_destinations` puts it."""
     keep = slot_mapping >= 0
     slots = pack_slots_ref(key[keep], value[keep], fmt)
@@ -187,7 +185,7 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, sl
         dest = planar_destinations(fmt, key.shape[-1]).to(cache.device)
         where = slot_mapping[keep].long()
         heads = torch.arange(cache.shape[1], device=cache.device)
-        cache[(where // PLANAR_PAGE)[:, None, None], heads[None, :, None], dest[where % PLANAR_PAGE][:, None, :]] = slots
+        cache[(where // PAGE)[:, None, None], heads[None, :, None], dest[where % PAGE][:, None, :]] = slots
         return
     nb, bs, h, sb = cache.shape
     flat = cache.view(nb * bs, h, sb)

@@ -4,7 +4,7 @@ One program codes BLOCK_T tokens of one KV head: it rotates the keys by the
 shared Hadamard matrix (an fp32 dot with IEEE precision, so the codes match
 the float64 reference except at exact ties), picks the Lloyd-Max code of every
 coordinate, folds the norm correction into the stored fp16 norm, codes the
-values per vector, and writes whole slots. Layouts are in `turboquant.py`.
+values per vector, and writes whole slots. Layouts are in `formats.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 from kvpolicy.kernels.reductions import rmax, rmin, rsum
-from kvpolicy.kernels.turboquant import FP8_E4M3_MAX, PLANAR_PAGE, kernel_tables, tq_layout
+from kvpolicy.kernels.formats import FP8_E4M3_MAX, tq_layout
+from kvpolicy.kernels.formats import PAGE as PLANAR_PAGE
+from kvpolicy.kernels.turboquant import kernel_tables
 
 
 @triton.jit

@@ -1,49 +1,33 @@
-"""Hopper TurboQuant decode with each warp independent: no barrier per tile. The default kernel for the formats
-with centroid keys (`tq_gluon.default_config`), through `tq_gluon.decode_tq_gluon`.
+"""Hopper TurboQuant decode for the centroid-key formats (4bit_nc, k3v4_nc, 3bit_nc) in Gluon, each warp independent:
+no barrier per tile.
 
-Why (bench/NOTES_TQ.md, tenth session): the warpgroup kernel (`tq_gluon.py`) waits, on every tile, at two
-warpgroup barriers and at the fence that lets its wgmma read P from shared memory; that fence also waits for
-the next tile's loads, issued at the start of the tile. Here each of the 4 warps owns one, two or four whole
-pages (`pages_per_warp`: 16-64 tokens) of every 64-, 128- or 256-token tile and runs its own online softmax:
-- S_w = Q K_w^T with mma.sync (int8, m16n8k32): Q [16, D] is the A operand (rows 0-7 the query's hi bytes,
-  8-15 its lo bytes, `tq_gluon`'s two-byte query), K_w^T the B operand straight from the unpacked key
-  registers (the same thread-to-coordinate map as the wgmma A operand, so `int8_operand_order` holds for
-  4- and 3-bit keys);
-- P_w in the accumulator layout (head g in thread g, tokens 16 pg + {2c, 2c + 1, 8 + 2c, 9 + 2c}) *is* the
-  B operand of O_w^T = V_w^T P_w^T (fp16, m16n8k16), and V_w^T is the A operand from registers: each thread
-  loads its tokens' value bytes, already paired by the page (below), and turns them into fp16 subnormal
-  pairs by shifts and masks (`v_word_program`, `v3_word_program`), so the values never go through shared
-  memory;
-- the warps' (max, sums, O^T) are merged once, at the end; with splits, the last split of each (sequence, KV
-  head) merges the splits' partials itself (`TQGluonConfig.fused_merge`) instead of a merge kernel after it.
-Two pages per warp (twelfth session) double each warp's loads in flight and the MMAs per softmax step: 10-16%
-faster at 128k on both layers, though at head_dim 128 they take 201-208 registers (2 programs per SM); four
-pages at head_dim 64 another 6-9% (253-255 registers). The pages of these formats hold each plane in this
-kernel's thread order (`turboquant.warp_plane_order`, eighteenth session): each thread reads its key rows, its
-value rows and its fields of a page as one 16-, 8- or 4-byte vector per plane (`block_layout`; 3bit_nc at
-head_dim 64: 16 loads per 128-token tile instead of 38), and its value words arrive with two tokens' bytes
-interleaved (no PRMT). The pages'
-softmax sums can be added in-thread first (`TQGluonConfig.sum_pages`): together another 7% on the gpt-oss
-layer's 4bit_nc (thirteenth session), and room for four pages of 3bit_nc (fourteenth). With
-`TQGluonConfig.mma_sums` (sixteenth) the sums come from one more mma.sync per two pages instead (the
-thread's own P words as A, ones and the zero points as B: `_sums_operands`) and P x value scale is one
-f16x2 multiply per two tokens: 4bit_nc's loop 9% fewer instructions, 2.6% faster on the gpt-oss layer.
-The price: O^T [D, 8] per warp (32 fp32 registers per thread at D 128 instead of 8). Its rescale is skipped
-when none of the warp's heads moved its max: with the lazy max (`TQGluonConfig.lazy_max`, the reference max
-moves only when a score passes it by `LAZY_MAX_MARGIN`) that is nearly every tile; Gluon has no per-warp
-branch, so the skip is a vote and a branch inside one asm block (`rescale_ptx`).
-Each program rotates its group's query in its prologue (`_rotated_query`, `TQGluonConfig.rotate_query`;
-seventeenth session) instead of a kernel of its own running before it: one launch less per decode step.
-Nineteenth session: where the cache is under 8 GiB the page offsets are int32 (`OFF32`), so each load's
-address is one IMAD.WIDE onto a per-thread pointer fixed for the loop; 3-bit keys have an integer int8 table
-(`turboquant.int8_offset`), so their scores need no `+ qc`; qf multiplies in the exponent's FFMA (3bit_nc at
-head_dim 64: 574 -> 504 instructions per tile, 152.3 -> 148.7 us on the gpt-oss layer at batch 8, 128k).
+Why: a warpgroup kernel waits, on every tile, at two warpgroup barriers and at the fence that lets its wgmma read
+P from shared memory. Here each of the 4 warps owns two or four whole pages of every 128- or 256-token tile and
+runs its own online softmax:
+- S_w = Q K_w^T with mma.sync (int8, m16n8k32): Q [16, D] is the A operand (rows 0-7 the query's hi bytes, 8-15
+  its lo bytes: a two-byte query), K_w^T the B operand straight from the unpacked key registers (centroids as
+  signed bytes, `turboquant.int8_centroids`; `int8_operand_order` relabels the key rows' bytes as its K
+  indices);
+- P_w in the accumulator layout (head g in thread g, tokens 16 pg + {2c, 2c + 1, 8 + 2c, 9 + 2c}) *is* the B
+  operand of O_w^T = V_w^T P_w^T (fp16, m16n8k16), and V_w^T is the A operand from registers: each thread loads
+  its tokens' value bytes, already paired by the page, and turns them into fp16 subnormal pairs by shifts and
+  masks (`v_word_program`, `v3_word_program`), so the values never go through shared memory;
+- the pages hold each plane in this kernel's thread order (`turboquant.warp_plane_order`): each thread reads its
+  key rows, value rows and fields of a page as one 16-, 8- or 4-byte vector per plane (`block_layout`);
+- P x value scale is one f16x2 multiply per two tokens, and each head's softmax sum and sum of P x zero point
+  come from one more mma.sync per two pages (`_sums_operands`);
+- the lazy max: the reference max moves only when a score passes it by `LAZY_MAX_MARGIN`, and a warp whose
+  heads all kept their max skips the rescale of its O^T (a vote and a branch inside one asm block,
+  `rescale_ptx`: Gluon has no per-warp branch);
+- two tiles per loop iteration in two register sets; the block table two tiles ahead; the query rotated in the
+  prologue (`_rotated_query`); where the cache is under 8 GiB the page offsets are int32 (`OFF32`);
+- the warps' (max, sums, O^T) merge once at the end, and the last split of each (sequence, KV head) to finish
+  merges the splits' partials itself (`_merge_if_last`): a decode step is one launch.
+Figures: bench/RESULTS.md; designs that won and lost: bench/KERNELS.md.
 
-Scope: turboquant_4bit_nc, turboquant_k3v4_nc and turboquant_3bit_nc (`FORMATS`), head_dim 64 or 128, GQA
-groups up to 8, 16-token planar pages, sm_90 (mma.sync runs on sm_80+, the callers route sm_90 only).
-Inputs as `tq_gluon.decode_tq_gluon`.
-Tested on the GPU against the float64 reference (tests/kernels/test_tq_gluon.py); the value operand's index
-algebra also on the CPU (tests/kernels/test_tq_warp.py).
+Scope: `FORMATS`, head_dim 64 or 128, GQA groups up to 8, 16-token planar pages, sm_90 (mma.sync runs on sm_80+;
+the callers route sm_90 only). Tested on the GPU against the float64 reference (tests/kernels/test_tq_gluon.py);
+the layouts' index algebra also on the CPU (tests/kernels/test_tq_warp.py).
 """
 
 from __future__ import annotations
@@ -52,36 +36,35 @@ import functools
 
 import torch
 import triton
-from kvpolicy.kernels.decode_attention import sm_count
-from kvpolicy.kernels.decode_gluon import split_tiles
-from kvpolicy.kernels.tq_gluon import (
-    _K3_I8_ASM,
-    _K4_I8_ASM,
-    LAZY_MAX_MARGIN,
-    MAX_FUSED_SPLITS,
-    Q_LO,
-    Q_LO_INT,
-    _kernel_table,
-    _merge_if_last,
-    _stamp,
-    _stamp_scalar,
-    _stamp_sm,
-    _store_result,
-    _word_bytes,
-    arrival_counters,
-    kernel_constexprs,
-    query_order,
-)
-from kvpolicy.kernels.turboquant import (
-    SELECT,
-    SUBNORMAL_UNIT,
-    WARP_ORDER_FORMATS,
-    render_ptx,
-    rotation_t_signs,
-)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from kvpolicy.kernels.formats import PAGE, WARP_ORDER_FORMATS, planar_constexprs, tq_layout
+from kvpolicy.kernels.launch import (
+    LOG2E,
+    merge_splits,
+    resident_programs,
+    sm_count,
+    span,
+    split_count,
+    split_partials,
+    split_tiles,
+    store_result,
+)
+from kvpolicy.kernels.turboquant import LAZY_MAX_MARGIN as _MARGIN
+from kvpolicy.kernels.turboquant import (
+    SELECT,
+    SUBNORMAL_UNIT,
+    int8_centroids,
+    int8_offset,
+    int8_operand_order,
+    int8_table_word,
+    k3_int8_program,
+    k4_int8_program,
+    render_ptx,
+    rotation_t_signs,
+)
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
 QA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
@@ -89,8 +72,13 @@ KB8 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_widt
 VA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
 PB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
 _UNSUB = gl.constexpr(1.0 / SUBNORMAL_UNIT)
-PAGE = 16
-"""Tokens per page: each warp owns `pages_per_warp(block_n)` whole pages of every tile."""
+LAZY_MAX_MARGIN = gl.constexpr(_MARGIN)
+# Centroid keys become signed bytes (4 per register, the int8 score MMA's operand), from whole 32-bit words.
+_K4_I8_ASM = gl.constexpr(render_ptx(k4_int8_program()))
+_K3_I8_ASM = gl.constexpr(render_ptx(k3_int8_program()))
+Q_LO = gl.constexpr(254.0)
+"""The query's second byte holds the first byte's rounding residual (at most 1/2) times this."""
+Q_LO_INT = gl.constexpr(254)
 
 
 def pages_per_warp(block_n: int) -> int:
@@ -108,10 +96,6 @@ def score_layout(ppw: int) -> gl.DistributedLinearLayout:
         reg_bases=[[0, 0, 1], [0, 0, 8]] + [[0, 0, 16 << k] for k in range(ppw.bit_length() - 1)],
         lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
         warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 8, PAGE * ppw])
-
-
-SUM_LAYOUT = gl.constexpr(score_layout(1))
-"""The softmax sums' layout with `TQGluonConfig.sum_pages`: one page's scores (the tile's pages added in-thread)."""
 
 
 def field_layout(ppw: int) -> gl.DistributedLinearLayout:
@@ -218,7 +202,7 @@ def block_layout(ppw: int, words: int) -> gl.DistributedLinearLayout:
 
 
 def field_block_layout(ppw: int) -> gl.DistributedLinearLayout:
-    """An fp16 field plane's words [warp, page, c, r8] (`TQGluonConfig.mma_sums`): thread c of each lane group
+    """An fp16 field plane's words [warp, page, c, r8]: thread c of each lane group
     the words of tokens 2c, 2c + 1 and 8 + 2c, 9 + 2c, together in the page (`turboquant.warp_plane_order`)."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 1]] + [[0, 1 << k, 0, 0] for k in range(ppw.bit_length() - 1)],
@@ -247,19 +231,17 @@ def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...
     return (4, ppw, 2, 4, 8, 2, 2, 2, 2), (0, 7, 6, 8, 4, 1, 2, 3, 5)
 
 
-def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int = 64, sum_pages: bool = False,
-            mma_sums: bool = False) -> dict:
+def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int) -> dict:
     """The kernel's tile constexprs: BN (the kernel derives the pages per warp from it), the score, field and
     load layouts (3-bit values are 8 words per token, one per thread g, at any head_dim: `_load_w`), the value
-    operand's relabelling, and SUM_PAGES: `TQGluonConfig.sum_pages` where there is more than one page per warp
-    (the softmax sums then take `SUM_LAYOUT`, else the score layout)."""
+    operand's relabelling and the sums MMA's operand layouts (two or four pages per warp)."""
     ppw = pages_per_warp(block_n)
+    if ppw < 2:
+        raise ValueError(f"the sums MMA pairs each warp's pages: block_n 128 or 256, not {block_n}")
     v_shape, v_order = value_axes(head_dim, value_bits, ppw)
     return dict(BN=block_n, XL=score_layout(ppw), FL=field_layout(ppw), K_LAYOUT=block_layout(ppw, key_bytes // 8),
                 V_LAYOUT=block_layout(ppw, head_dim // (16 if value_bits == 4 else 32)), V_SHAPE=v_shape,
-                V_ORDER=v_order, SUM_PAGES=sum_pages and ppw > 1 and not mma_sums, MMA_SUMS=mma_sums,
-                FW=field_block_layout(ppw),
-                XP=pair_layout(ppw), SB=sums_b_layout(ppw) if ppw > 1 else None)
+                V_ORDER=v_order, FW=field_block_layout(ppw), XP=pair_layout(ppw), SB=sums_b_layout(ppw))
 
 
 def dim_of_row(head_dim: int, value_bits: int = 4) -> torch.Tensor:
@@ -282,6 +264,17 @@ def value_unit(head_dim: int, value_bits: int = 4) -> torch.Tensor:
     if value_bits == 3:
         return 4.0 ** ((m // 16) // (head_dim // 64)) * SUBNORMAL_UNIT
     return 16.0 ** ((m // 8) % 2) * SUBNORMAL_UNIT
+
+
+@gluon.jit
+def _word_bytes(x, BN: gl.constexpr, W: gl.constexpr):
+    """int32 words [BN, W] -> their bytes [BN, 4W] (int8, byte 0 first): truncations that LLVM folds back
+    into the words when the bytes are packed for the PTX program."""
+    b0 = x.to(gl.int8)
+    b1 = (x >> 8).to(gl.int8)
+    b2 = (x >> 16).to(gl.int8)
+    b3 = (x >> 24).to(gl.int8)
+    return gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [BN, 4 * W])
 
 
 @gluon.jit
@@ -392,16 +385,15 @@ def _field_words(x, BN: gl.constexpr):
 
 
 @gluon.jit
-def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
+def _load_w(cache32_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
             KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
-            VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, PPW: gl.constexpr, XL: gl.constexpr,
-            FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr, MMA_SUMS: gl.constexpr,
+            VB: gl.constexpr, NF: gl.constexpr, BN: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr,
             FW: gl.constexpr, XP: gl.constexpr, OFF32: gl.constexpr):
     """A tile's bytes, each warp its pages `pw` (`_pages_w`): key code words [BN, KBM/4] (3-bit keys also the
     matching 1-bit words: word w mod D/32 of the row shifted right by w // (D/32), else 0), value words
-    [BN/2, 8, Q] of two tokens each (`_value_words`; 3-bit values also the 1-bit words as loaded, else 0), the
-    fp16 fields [4, BN/4] in fp32 in the score columns' layout (MMA_SUMS: the words of two tokens [4, BN/8] as loaded, in `pair_layout`'s
-    columns: carried through the loop as words, they need no repacking for the f16x2 instructions)."""
+    [BN/2, 8, Q] of two tokens each (`_value_words`; 3-bit values also the 1-bit words as loaded, else 0), and
+    the fp16 fields as words of two tokens [4, BN/8] as loaded, in `pair_layout`'s columns: carried through
+    the loop as words, they need no repacking for the f16x2 instructions."""
     # Each page's first 32-bit word [4, PPW]. OFF32 (caches under 8 GiB): in int32, so that each load's address is
     # one IMAD.WIDE from a per-thread pointer fixed for the whole loop, instead of a 64-bit add per page and lane.
     # Hence the loads below add it last: (cache + the thread's offset in a page) + page word, the first sum
@@ -432,36 +424,21 @@ def _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV: gl.constexpr, HEAD_DIM: g
         vh = _value_words(gl.load((cache32_ptr + (4 * KB + 4 * VBM + ((vg % 4) * 4 + vq) * NV + vv)) + vb), BN)
 
     # fields of the tokens in the score's columns (planes of 16 halves per page)
-    if MMA_SUMS:
-        # thread c: the words of tokens 2c, 2c + 1 and 8 + 2c, 9 + 2c, together
-        wb = gl.convert_layout(base, sliced(FW, (0, 1), 4))[:, :, None, None]
-        fq = gl.arange(0, 4, layout=sliced(FW, (2,), 4))[None, None, :, None]
-        fr = gl.arange(0, 2, layout=sliced(FW, (3,), 4))[None, None, None, :]
-        fw = (cache32_ptr + (4 * (KB + VB) + fq * 2 + fr)) + wb
-        wl: gl.constexpr = gl.SliceLayout(1, XP)
-        knorm = gl.convert_layout(_field_words(gl.load(fw), BN), wl)
-        vscale = gl.convert_layout(_field_words(gl.load(fw + 8 * (NF - 2)), BN), wl)
-        vzero = gl.convert_layout(_field_words(gl.load(fw + 8 * (NF - 1)), BN), wl)
-    else:
-        tk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, FL)))
-        at = ((tk % 8) // 2 * 2 + tk // 8) * 2 + tk % 2  # token tk's half in the plane
-        f = cache16_ptr + (2 * base + 8 * (KB + VB))[:, :, None] + at[None, None, :]
-        knorm = _field(f, BN, XL)
-        vscale = _field(f + 16 * (NF - 2), BN, XL)
-        vzero = _field(f + 16 * (NF - 1), BN, XL)
+    # thread c: the words of tokens 2c, 2c + 1 and 8 + 2c, 9 + 2c, together
+    wb = gl.convert_layout(base, sliced(FW, (0, 1), 4))[:, :, None, None]
+    fq = gl.arange(0, 4, layout=sliced(FW, (2,), 4))[None, None, :, None]
+    fr = gl.arange(0, 2, layout=sliced(FW, (3,), 4))[None, None, None, :]
+    fw = (cache32_ptr + (4 * (KB + VB) + fq * 2 + fr)) + wb
+    wl: gl.constexpr = gl.SliceLayout(1, XP)
+    knorm = gl.convert_layout(_field_words(gl.load(fw), BN), wl)
+    vscale = gl.convert_layout(_field_words(gl.load(fw + 8 * (NF - 2)), BN), wl)
+    vzero = gl.convert_layout(_field_words(gl.load(fw + 8 * (NF - 1)), BN), wl)
     return kc, ks, vc, vh, knorm, vscale, vzero
 
 
 @gluon.jit
-def _field(f, BN: gl.constexpr, XL: gl.constexpr):
-    """One fp16 field of the warps' pages (pointers [4, PPW, 16]) -> fp32 [4, BN/4] in the score columns' layout."""
-    x = gl.convert_layout(gl.reshape(gl.load(f), [4, BN // 4]), gl.SliceLayout(1, XL))
-    return x.to(gl.float16, bitcast=True).to(gl.float32)
-
-
-@gluon.jit
 def _sums_operands(pw, zw, BN: gl.constexpr, SB: gl.constexpr):
-    """`TQGluonConfig.mma_sums`: the mma.sync operands of C = A B whose column 0 is each head's softmax sum and
+    """The mma.sync operands of C = A B whose column 0 is each head's softmax sum and
     columns 1 and 2 its sums of P x zero point (tokens 0-7 and 8-15 of each page). A [4, 16, BN/8]: row
     8 h8 + h, column 8 pg + j = P of head h at token 16 pg + 8 h8 + j (each thread's own P words `pw`, rows
     8-15 the second half of each page, so no row is zero); B [4, BN/8, 8]: column 0 all 1, column 1 (2) the
@@ -490,27 +467,25 @@ def _sums_operands(pw, zw, BN: gl.constexpr, SB: gl.constexpr):
 
 
 @gluon.jit
-def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
+def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
-          LAZY: gl.constexpr, EDGE: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr,
-          V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr, MMA_SUMS: gl.constexpr, XP: gl.constexpr,
-          SB: gl.constexpr):
-    """One tile, each warp its BN/4 tokens: S_w, online softmax (exact or lazy max), O_w^T += V_w^T P_w^T.
+          EDGE: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr,
+          XP: gl.constexpr, SB: gl.constexpr):
+    """One tile, each warp its BN/4 tokens: S_w, online softmax against the lazy max, O_w^T += V_w^T P_w^T.
     EDGE: the tile reaches outside [start, seq_len) (a second compiled copy keeps the masks off the common
-    path). The tile's bytes come from `_load_w`, issued one tile ahead. MMA_SUMS: the fields are words of
-    two tokens, l_part the sums' accumulator [4, 16, 8] (`_sums_operands`; z_part unused)."""
+    path). The tile's bytes come from `_load_w`, issued one tile ahead; the fields are words of two tokens,
+    l_part the sums' accumulator [4, 16, 8] (`_sums_operands`)."""
     tl: gl.constexpr = gl.SliceLayout(1, XL)
-    if MMA_SUMS:
-        wl: gl.constexpr = gl.SliceLayout(1, XP)
-        if EDGE:
-            # each half of a word masked on its own token
-            wpos = (tile * BN + gl.arange(0, 4, layout=gl.SliceLayout(1, wl))[:, None] * (BN // 4)
-                    + 2 * gl.arange(0, BN // 8, layout=gl.SliceLayout(0, wl))[None, :])
-            keep = (gl.where((wpos < seq_len) & (wpos >= start), 0xFFFF, 0)
-                    | gl.where((wpos + 1 < seq_len) & (wpos + 1 >= start), -65536, 0))
-            vscale = vscale & keep
-            vzero = vzero & keep
-        knorm = gl.convert_layout(gl.reshape(_halves(knorm).to(gl.float32), [4, BN // 4]), tl)
+    wl: gl.constexpr = gl.SliceLayout(1, XP)
+    if EDGE:
+        # each half of a word masked on its own token
+        wpos = (tile * BN + gl.arange(0, 4, layout=gl.SliceLayout(1, wl))[:, None] * (BN // 4)
+                + 2 * gl.arange(0, BN // 8, layout=gl.SliceLayout(0, wl))[None, :])
+        keep = (gl.where((wpos < seq_len) & (wpos >= start), 0xFFFF, 0)
+                | gl.where((wpos + 1 < seq_len) & (wpos + 1 >= start), -65536, 0))
+        vscale = vscale & keep
+        vzero = vzero & keep
+    knorm = gl.convert_layout(gl.reshape(_halves(knorm).to(gl.float32), [4, BN // 4]), tl)
     s = mma_v2(q3, _keys_operand(kc, ks, table, BN, KBM, HEAD_DIM, KEY_BITS), gl.zeros([4, 16, BN // 4], gl.int32, MMA))
     # rows h (hi bytes) and 8 + h (lo bytes) are in the same thread
     hi, lo = gl.split(gl.permute(gl.reshape(s, [4, 2, 8, BN // 4]), (0, 2, 3, 1)))
@@ -521,9 +496,6 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
                + gl.arange(0, BN // 4, layout=gl.SliceLayout(0, tl))[None, :])
         ok = (pos < seq_len) & (pos >= start)
         knorm = gl.where(ok, knorm, 0.0)
-        if not MMA_SUMS:
-            vscale = gl.where(ok, vscale, 0.0)
-            vzero = gl.where(ok, vzero, 0.0)
     if qc is not None:
         x = x + qc[None, :, None]
     # y = score / qf, qf > 0 the head's: the scores' max is qf x y's, and qf joins the exponent's FFMA (one
@@ -532,82 +504,63 @@ def _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
     if EDGE:
         x = gl.where(ok[:, None, :], x, float("-inf"))
 
-    # online softmax per warp and head (the max over a warp's tokens stays in the warp)
+    # online softmax per warp and head (the max over a warp's tokens stays in the warp); the reference max
+    # moves only when a score passes it by LAZY_MAX_MARGIN
     t_max = gl.max(x, 2) * qf[None, :]
-    if LAZY:
-        # the reference max moves only when a score passes it by LAZY_MAX_MARGIN (P <= 2^4, as `tq_gluon`)
-        m_new = gl.where(t_max > m_i + LAZY_MAX_MARGIN, t_max, m_i)
-    else:
-        m_new = gl.maximum(m_i, t_max)
+    m_new = gl.where(t_max > m_i + LAZY_MAX_MARGIN, t_max, m_i)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)  # exactly 1 where the max stayed (ex2 of 0): the rescale below is skipped
     p = gl.exp2(x * qf[None, :, None] - m_use[:, :, None])
-    if MMA_SUMS:
-        # P as fp16 words of two tokens once: P x scale two tokens per instruction on the scale words as loaded,
-        # and the sums by mma.sync (one per two pages) instead of an add and an FMA per score
-        pe, po = gl.split(gl.reshape(p, [4, 8, BN // 8, 2]))
-        pw = gl.inline_asm_elementwise(_PACK_ASM, "=r,r,r", [gl.convert_layout(pe, XP), gl.convert_layout(po, XP)],
-                                       dtype=gl.int32, is_pure=True, pack=1)
-        pbw = gl.inline_asm_elementwise(_HMUL2_ASM, "=r,r,r", [pw, vscale[:, None, :]], dtype=gl.int32,
-                                        is_pure=True, pack=1)
-        pb = gl.convert_layout(gl.permute(gl.reshape(_halves(pbw), [4, 8, BN // 4]), (0, 2, 1)), PB)
-        sa, sb = _sums_operands(pw, vzero, BN, SB)
-        a16 = gl.reshape(gl.permute(gl.join(alpha, alpha), (0, 2, 1)), [4, 16])  # row 8 h8 + h: head h
-        l_part = mma_v2(sa, sb, l_part * gl.convert_layout(a16, gl.SliceLayout(2, MMA))[:, :, None])
-    elif SUM_PAGES:
-        # the tile's pages added in-thread first (register bits of the score layout): sums of one page's shape
-        a1 = gl.convert_layout(alpha, gl.SliceLayout(2, SUM_LAYOUT))[:, :, None]
-        l_part = l_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p, [4, 8, BN // 64, 16]), 2), SUM_LAYOUT)
-        z_part = z_part * a1 + gl.convert_layout(gl.sum(gl.reshape(p * vzero[:, None, :], [4, 8, BN // 64, 16]), 2),
-                                                 SUM_LAYOUT)
-    else:
-        l_part = l_part * alpha[:, :, None] + p
-        z_part = z_part * alpha[:, :, None] + p * vzero[:, None, :]
-    if not MMA_SUMS:
-        pb = gl.convert_layout(gl.permute((p * vscale[:, None, :]).to(gl.float16), (0, 2, 1)), PB)
+    # P as fp16 words of two tokens once: P x scale two tokens per instruction on the scale words as loaded,
+    # and the sums by mma.sync (one per two pages) instead of an add and an FMA per score
+    pe, po = gl.split(gl.reshape(p, [4, 8, BN // 8, 2]))
+    pw = gl.inline_asm_elementwise(_PACK_ASM, "=r,r,r", [gl.convert_layout(pe, XP), gl.convert_layout(po, XP)],
+                                   dtype=gl.int32, is_pure=True, pack=1)
+    pbw = gl.inline_asm_elementwise(_HMUL2_ASM, "=r,r,r", [pw, vscale[:, None, :]], dtype=gl.int32,
+                                    is_pure=True, pack=1)
+    pb = gl.convert_layout(gl.permute(gl.reshape(_halves(pbw), [4, 8, BN // 4]), (0, 2, 1)), PB)
+    sa, sb = _sums_operands(pw, vzero, BN, SB)
+    a16 = gl.reshape(gl.permute(gl.join(alpha, alpha), (0, 2, 1)), [4, 16])  # row 8 h8 + h: head h
+    l_part = mma_v2(sa, sb, l_part * gl.convert_layout(a16, gl.SliceLayout(2, MMA))[:, :, None])
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
-    if LAZY:
-        # O^T is HEAD_DIM / 4 registers per thread; the common tile keeps its max and skips their FMULs
-        if HEAD_DIM == 128:
-            acc = gl.inline_asm_elementwise(_RESCALE_ASM_128, _RESCALE_CONSTRAINTS_128, [acc, alpha_o],
-                                            dtype=gl.float32, is_pure=True, pack=32)
-        else:
-            acc = gl.inline_asm_elementwise(_RESCALE_ASM_64, _RESCALE_CONSTRAINTS_64, [acc, alpha_o],
-                                            dtype=gl.float32, is_pure=True, pack=16)
+    # O^T is HEAD_DIM / 4 registers per thread; the common tile keeps its max and skips their FMULs
+    if HEAD_DIM == 128:
+        acc = gl.inline_asm_elementwise(_RESCALE_ASM_128, _RESCALE_CONSTRAINTS_128, [acc, alpha_o],
+                                        dtype=gl.float32, is_pure=True, pack=32)
     else:
-        acc = acc * alpha_o
+        acc = gl.inline_asm_elementwise(_RESCALE_ASM_64, _RESCALE_CONSTRAINTS_64, [acc, alpha_o],
+                                        dtype=gl.float32, is_pure=True, pack=16)
     if V_BITS == 4:
         acc = mma_v2(_values_operand(vc, BN, HEAD_DIM, V_SHAPE, V_ORDER), pb, acc)
     else:
         acc = mma_v2(_values_operand3(vc, vh, BN, HEAD_DIM, V_SHAPE, V_ORDER), pb, acc)
-    return m_new, l_part, z_part, acc
+    return m_new, l_part, acc
 
 
 @gluon.jit
-def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, z_part, acc,
+def _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i, l_part, acc,
           HEAD_DIM: gl.constexpr, KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr,
-          LAZY: gl.constexpr, BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr,
-          SUM_PAGES: gl.constexpr, MMA_SUMS: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr):
+          BN: gl.constexpr, XL: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, XP: gl.constexpr,
+          SB: gl.constexpr):
     """`_tile`, the masked copy only for a tile that reaches outside [start, seq_len)."""
     if (tile * BN < start) | (tile * BN + BN > seq_len):
-        m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
-                                         qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY, True,
-                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
+        m_i, l_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc,
+                                 m_i, l_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, True, BN, XL, V_SHAPE, V_ORDER,
+                                 XP, SB)
     else:
-        m_i, l_part, z_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf,
-                                         qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY, False,
-                                         BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
-    return m_i, l_part, z_part, acc
+        m_i, l_part, acc = _tile(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc,
+                                 m_i, l_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, False, BN, XL, V_SHAPE, V_ORDER,
+                                 XP, SB)
+    return m_i, l_part, acc
 
 
 @gluon.jit
 def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROUP: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, q_layout: gl.constexpr, stamp_ptr, STAMPS: gl.constexpr):
-    """(q x q_scale in fp16) @ Pi^T sqrt(D) / D in the score MMA's K order, for the GQA group's heads
-    [8, D] in `q_layout` (`TQGluonConfig.rotate_query`): `tq_decode._tq_rotate_query_kernel`'s product by
-    mma.sync in the prologue, without its fp16 rounding of the result. `rot_ptr` is `rotation_operand`: the
-    order is folded into its rows and each row is contiguous along the product's K, so with k_width 8 (both
-    operands relabel K alike) each thread loads its operands in 16-byte vectors."""
+                   HEAD_DIM: gl.constexpr, q_layout: gl.constexpr):
+    """(q x q_scale in fp16) @ Pi^T sqrt(D) / D in the score MMA's K order, for the GQA group's heads [8, D] in
+    `q_layout`, by mma.sync in the prologue (no launch of its own, no fp16 rounding of the result). `rot_ptr`
+    is `rotation_operand`: the order is folded into its rows and each row is contiguous along the product's K,
+    so with k_width 8 (both operands relabel K alike) each thread loads its operands in 16-byte vectors."""
     rl: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
     al: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=rl, k_width=8)
     bl: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=rl, k_width=8)
@@ -619,12 +572,7 @@ def _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROU
     kk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, bl))
     jj = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, bl))
     b = gl.load(rot_ptr + jj[None, :] * HEAD_DIM + kk[:, None])
-    if STAMPS:
-        _stamp(a.to(gl.float32), stamp_ptr, 8)
-        _stamp(b.to(gl.float32), stamp_ptr, 9)
     x = mma_v2(a, b, gl.zeros([16, HEAD_DIM], gl.float32, rl)) * (1.0 / HEAD_DIM)
-    if STAMPS:
-        _stamp(x, stamp_ptr, 10)
     # rows 0-7 (the heads; 8-15 are the M padding): the row's bit 3 is a register bit of the accumulator
     x, _ = gl.split(gl.permute(gl.reshape(x, [2, 8, HEAD_DIM]), (1, 2, 0)))
     return gl.convert_layout(x, q_layout)
@@ -645,20 +593,78 @@ def _weighted_tiles(first_tile, end_tile, split, num_splits, group, num_groups, 
 
 
 @gluon.jit
+def _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq, kvh, num_splits, stride_ob,
+                   stride_oh, NUM_KV: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr, HAS_SINKS: gl.constexpr):
+    """The split merge in the decode kernel, after `launch.store_result` wrote this
+    program's partials: each split of a (sequence, KV head) counts itself in `cnt_ptr` (`arrival_counters`), and
+    the last to arrive merges the GQA group's `num_splits` (<= S_BLOCK) partials, S_CHUNK splits at a time with
+    a running max, into the output, the sink's logit in the denominator (as `decode_attention`'s merge kernel),
+    then zeroes the counter for the next launch. The merge's own launch goes, and its loads come from L2."""
+    # Release: every warp's partial stores, then the count (thread 0's acq_rel atomic, after a barrier that
+    # orders the other warps' stores before it). Acquire: the last program's reads of the others' partials.
+    gl.thread_barrier()
+    cnt = cnt_ptr + seq * NUM_KV + kvh
+    arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        # [splits, heads, D]: each thread 4 consecutive dims (16-byte loads) of one head, every split of a chunk
+        L: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32 // (HEAD_DIM // 4), HEAD_DIM // 4], [1, 4, 1],
+                                           [2, 1, 0])
+        SH: gl.constexpr = gl.SliceLayout(2, L)
+        HD: gl.constexpr = gl.SliceLayout(0, L)
+        offs_h = gl.arange(0, 8, layout=gl.SliceLayout(0, SH))
+        offs_s = gl.arange(0, S_CHUNK, layout=gl.SliceLayout(1, SH))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, HD))
+        offs_d3 = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))[None, None, :]
+        h_mask = offs_h < GROUP
+        row = seq * (NUM_KV * GROUP) + kvh * GROUP + offs_h
+        if HAS_SINKS:  # the sink starts the running max and sum: exp2(sink - sink) = 1
+            m_run = gl.load(sinks_ptr + kvh * GROUP + offs_h, mask=h_mask, other=0.0).to(gl.float32) * LOG2E
+            denom = gl.full([8], 1.0, gl.float32, gl.SliceLayout(0, SH))
+        else:
+            m_run = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, SH))
+            denom = gl.zeros([8], gl.float32, gl.SliceLayout(0, SH))
+        o = gl.zeros([8, HEAD_DIM], gl.float32, HD)
+        # unrolled: no chunk's loads wait for an earlier chunk's sums (at up to `MAX_FUSED_SPLITS` splits there
+        # is one chunk). .cg: from L2, never a line this SM's L1 kept from an earlier read of a neighbouring
+        # group's partials.
+        for c in gl.static_range(0, S_BLOCK, S_CHUNK):
+            split = c + offs_s
+            mask = (split < num_splits)[:, None] & h_mask[None, :]
+            lse = gl.load(part_lse_ptr + row[None, :] * num_splits + split[:, None], mask=mask,
+                          other=float("-inf"), cache_modifier=".cg")
+            parts = gl.load(part_out_ptr + ((row[None, :] * num_splits + split[:, None]) * HEAD_DIM)[:, :, None]
+                            + offs_d3, mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+            m_new = gl.maximum(m_run, gl.max(lse, 0))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing yet: every weight 0
+            scale = gl.exp2(m_run - m_use)
+            w = gl.exp2(lse - m_use[None, :])
+            denom = denom * scale + gl.sum(w, 0)
+            o = o * gl.convert_layout(scale, gl.SliceLayout(1, HD))[:, None] + gl.sum(parts * w[:, :, None], 0)
+            m_run = m_new
+        d = gl.convert_layout(gl.where(denom == 0.0, 1.0, denom), gl.SliceLayout(1, HD))
+        q_head = kvh * GROUP + gl.arange(0, 8, layout=gl.SliceLayout(1, HD))
+        gl.store(out_ptr + seq * stride_ob + (q_head * stride_oh)[:, None] + offs_d[None, :],
+                 (o / d[:, None]).to(out_ptr.dtype.element_ty), mask=(q_head < (kvh + 1) * GROUP)[:, None])
+        gl.store(cnt, 0)
+
+
+@gluon.jit
 def _tq_warp_kernel(
-    q_ptr, order_ptr, rot_ptr, cache32_ptr, cache16_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
-    part_out_ptr, part_lse_ptr, cnt_ptr, stamp_ptr, q_scale, window, num_splits, num_sms,
+    q_ptr, table_ptr, rot_ptr, cache32_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_out_ptr,
+    part_lse_ptr, cnt_ptr, q_scale, window, num_splits, num_sms,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+    # format and shapes
     GROUP: gl.constexpr, NUM_KV: gl.constexpr, HEAD_DIM: gl.constexpr, SLOT: gl.constexpr,
     KEY_BITS: gl.constexpr, V_BITS: gl.constexpr, KBM: gl.constexpr, KB: gl.constexpr, VBM: gl.constexpr,
     VB: gl.constexpr, NF: gl.constexpr, I8_SCALE: gl.constexpr, I8_OFFSET: gl.constexpr,
-    BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr,
-    V_LAYOUT: gl.constexpr, V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, SUM_PAGES: gl.constexpr,
-    MMA_SUMS: gl.constexpr, FW: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr,
-    UNROLL: gl.constexpr, PAGES_AHEAD: gl.constexpr, LAZY: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, ROTATE: gl.constexpr, OFF32: gl.constexpr,
-    FUSED: gl.constexpr, S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr, STAMPS: gl.constexpr,
-    WAVE_W1: gl.constexpr, WAVE_W2: gl.constexpr,
+    # the tile's layouts (`layouts`)
+    BN: gl.constexpr, XL: gl.constexpr, FL: gl.constexpr, K_LAYOUT: gl.constexpr, V_LAYOUT: gl.constexpr,
+    V_SHAPE: gl.constexpr, V_ORDER: gl.constexpr, FW: gl.constexpr, XP: gl.constexpr, SB: gl.constexpr,
+    # the call
+    HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, IS_SPLIT: gl.constexpr, OFF32: gl.constexpr,
+    FUSED: gl.constexpr, S_BLOCK: gl.constexpr, S_CHUNK: gl.constexpr, WAVE_W1: gl.constexpr,
+    WAVE_W2: gl.constexpr,
 ):
     if WAVE_W1 > 0:
         # split-major grid (sequence x KV head, split): the first `num_sms` programs, one to each SM, are the low
@@ -671,45 +677,28 @@ def _tq_warp_kernel(
         kvh = gl.program_id(0)
         split = gl.program_id(1)
         seq = gl.program_id(2)
-    if STAMPS:  # probe only: `tq_gluon.STAMPS`; row = the linear block id
-        stamp_ptr += (gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
-                                                               * gl.program_id(2))) * 16  # `tq_gluon.STAMPS_ROW`
-        _stamp_scalar(0, stamp_ptr, 0)
-        _stamp_sm(stamp_ptr, 7)
     seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BN, HAS_WINDOW)
     if WAVE_W1 > 0:
         tile_lo, tile_hi = _weighted_tiles(start // BN, (seq_len + BN - 1) // BN, split, num_splits, group,
                                            gl.num_programs(0), num_sms, WAVE_W1, WAVE_W2)
-    if STAMPS:
-        _stamp_scalar(seq_len, stamp_ptr, 1)
     ROWL: gl.constexpr = gl.SliceLayout(2, XL)
     PPW: gl.constexpr = BN // 64  # `pages_per_warp`
 
-    # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages PAGES_AHEAD tiles
-    # ahead (at 1 the loads waited for their block-table entries). Two tiles of bytes ahead were slower
-    # (NOTES_TQ.md, tenth session). The first tile's loads go out before the query's prologue, whose
-    # layout conversions wait at barriers: their latency then overlaps it.
+    # Software pipeline: the bytes of tile i + 1 load while tile i is computed, their pages two tiles ahead
+    # (every load of a tile's bytes waits for its block-table entries). The first tile's loads go out before
+    # the query's prologue, whose layout conversions wait at barriers: their latency then overlaps it.
     bt_row = block_tables_ptr + seq * stride_bt
-    kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL),
-                                                   kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                   NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP, OFF32)
+    kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, _pages_w(bt_row, tile_lo, seq_len, PPW, FL), kvh,
+                                                   NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF,
+                                                   BN, K_LAYOUT, V_LAYOUT, FW, XP, OFF32)
     # the PRMT table word in a vector register for the whole loop (a scalar would be copied before each PRMT)
-    table = _word_bytes(gl.load(order_ptr + HEAD_DIM + gl.zeros_like(kc)), BN, KBM // 4)
+    table = _word_bytes(gl.load(table_ptr + gl.zeros_like(kc)), BN, KBM // 4)
     pw = _pages_w(bt_row, tile_lo + 1, seq_len, PPW, FL)
 
-    # The query as two signed bytes per coordinate, in the score MMA's K order (as `tq_gluon`), then the
-    # mma.sync A operand [4, 16, D] (every warp the whole query; once per program).
+    # The rotated query as two signed bytes per coordinate, in the score MMA's K order, then the mma.sync A
+    # operand [4, 16, D] (every warp the whole query; once per program).
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
-    if ROTATE:
-        q = _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, q_layout,
-                           stamp_ptr, STAMPS)
-    else:
-        offs_qh = gl.arange(0, 8, layout=gl.SliceLayout(1, q_layout))
-        order = gl.load(order_ptr + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout)))
-        q = gl.load(q_ptr + seq * stride_qb + (kvh * GROUP + offs_qh)[:, None] * stride_qh + order[None, :],
-                    mask=(offs_qh < GROUP)[:, None], other=0.0).to(gl.float32) * q_scale
-        if STAMPS:
-            _stamp(q, stamp_ptr, 8)
+    q = _rotated_query(q_ptr, rot_ptr, seq, kvh, q_scale, stride_qb, stride_qh, GROUP, HEAD_DIM, q_layout)
     amax = gl.max(gl.abs(q), 1)
     step = gl.where(amax > 0.0, amax / 127.0, 1.0)
     x = q / step[:, None]
@@ -719,88 +708,45 @@ def _tq_warp_kernel(
     b3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1, 1], [2, 1, 0])
     q3 = gl.expand_dims(gl.convert_layout(q16, gl.SliceLayout(0, b3)), 0) + gl.zeros([4, 16, HEAD_DIM], gl.int8, b3)
     q3 = gl.convert_layout(q3, QA)
-    # the score of head h: (Q_LO hi.b + lo.b + qc) qf knorm (`tq_gluon`), qc = the int8 table's offset x the
-    # query's sum (`turboquant.int8_offset`); None where the offset is 0 (3-bit keys): no add per score
+    # the score of head h: (Q_LO hi.b + lo.b + qc) qf knorm, qc = the int8 table's offset x the query's sum
+    # (`turboquant.int8_offset`); None where the offset is 0 (3-bit keys): no add per score
     qf = gl.convert_layout(step * (1.0 / (Q_LO * I8_SCALE)), gl.SliceLayout(0, ROWL))
     if I8_OFFSET != 0.0:
         qc = gl.convert_layout(I8_OFFSET * gl.sum(hi * Q_LO + lo, 1), gl.SliceLayout(0, ROWL))
     else:
         qc = None
-    if STAMPS:  # after the prologue, so that waiting for the first tile's bytes does not delay it
-        _stamp(q3.to(gl.int32), stamp_ptr, 11)
-        _stamp(qf, stamp_ptr, 3)
-        _stamp(knorm, stamp_ptr, 2)
 
     m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=ROWL)
-    # per-thread softmax sums (and of P x zero point)
-    if MMA_SUMS:
-        l_part = gl.zeros([4, 16, 8], gl.float32, layout=MMA)  # `_sums_operands`' C
-        z_part = gl.zeros([4, 8], gl.float32, layout=ROWL)  # unused
-    elif SUM_PAGES:
-        l_part = gl.zeros([4, 8, 16], gl.float32, layout=SUM_LAYOUT)
-        z_part = gl.zeros_like(l_part)
-    else:
-        l_part = gl.zeros([4, 8, BN // 4], gl.float32, layout=XL)
-        z_part = gl.zeros_like(l_part)
+    l_part = gl.zeros([4, 16, 8], gl.float32, layout=MMA)  # the softmax sums and sums of P x zero (`_sums_operands`)
     acc = gl.zeros([4, HEAD_DIM, 8], gl.float32, layout=MMA)
-    if UNROLL:
-        # Two tiles per iteration, their bytes in two register sets that take turns: the set of tile i + 2 loads
-        # after tile i is computed, into the same registers, so no set is copied at the loop's end (one pass per
-        # tile took a move per loaded word there).
-        for tile in range(tile_lo, tile_hi, 2):
-            if PAGES_AHEAD == 1:
-                pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
-            bkc, bks, bvc, bvh, bknorm, bvscale, bvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
-                                                                  HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT,
-                                                                  MMA_SUMS, FW, XP, OFF32)
-            if PAGES_AHEAD == 2:
-                pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
-            m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
-                                             qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY,
-                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
-            if PAGES_AHEAD == 1:
-                pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
-            kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV, HEAD_DIM,
-                                                           SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB, NF, BN, PPW,
-                                                           XL, FL, K_LAYOUT, V_LAYOUT, MMA_SUMS, FW, XP, OFF32)
-            if PAGES_AHEAD == 2:
-                pw = _pages_w(bt_row, tile + 3, seq_len, PPW, FL)
-            if tile + 1 < tile_hi:
-                m_i, l_part, z_part, acc = _step(bkc, bks, bvc, bvh, bknorm, bvscale, bvzero, tile + 1, seq_len,
-                                                 start, table, q3, qf, qc, m_i, l_part, z_part, acc, HEAD_DIM,
-                                                 KEY_BITS, V_BITS, KBM, LAZY, BN, XL, V_SHAPE, V_ORDER, SUM_PAGES,
-                                                 MMA_SUMS, XP, SB)
-    else:
-        for tile in range(tile_lo, tile_hi):
-            if PAGES_AHEAD == 1:
-                pw = _pages_w(bt_row, tile + 1, seq_len, PPW, FL)
-            nkc, nks, nvc, nvh, nknorm, nvscale, nvzero = _load_w(cache32_ptr, cache16_ptr, pw, kvh, NUM_KV,
-                                                                  HEAD_DIM, SLOT, KEY_BITS, V_BITS, KBM, KB, VBM, VB,
-                                                                  NF, BN, PPW, XL, FL, K_LAYOUT, V_LAYOUT,
-                                                                  MMA_SUMS, FW, XP, OFF32)
-            if PAGES_AHEAD == 2:
-                pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
-            m_i, l_part, z_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3,
-                                             qf, qc, m_i, l_part, z_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, LAZY,
-                                             BN, XL, V_SHAPE, V_ORDER, SUM_PAGES, MMA_SUMS, XP, SB)
-            kc, ks, vc, vh, knorm, vscale, vzero = nkc, nks, nvc, nvh, nknorm, nvscale, nvzero
+    # Two tiles per iteration, their bytes in two register sets that take turns: the set of tile i + 2 loads after
+    # tile i is computed, into the same registers, so no set is copied at the loop's end.
+    for tile in range(tile_lo, tile_hi, 2):
+        bkc, bks, bvc, bvh, bknorm, bvscale, bvzero = _load_w(cache32_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS,
+                                                              V_BITS, KBM, KB, VBM, VB, NF, BN, K_LAYOUT, V_LAYOUT,
+                                                              FW, XP, OFF32)
+        pw = _pages_w(bt_row, tile + 2, seq_len, PPW, FL)
+        m_i, l_part, acc = _step(kc, ks, vc, vh, knorm, vscale, vzero, tile, seq_len, start, table, q3, qf, qc, m_i,
+                                 l_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, BN, XL, V_SHAPE, V_ORDER, XP, SB)
+        kc, ks, vc, vh, knorm, vscale, vzero = _load_w(cache32_ptr, pw, kvh, NUM_KV, HEAD_DIM, SLOT, KEY_BITS, V_BITS,
+                                                       KBM, KB, VBM, VB, NF, BN, K_LAYOUT, V_LAYOUT, FW, XP, OFF32)
+        pw = _pages_w(bt_row, tile + 3, seq_len, PPW, FL)
+        if tile + 1 < tile_hi:
+            m_i, l_part, acc = _step(bkc, bks, bvc, bvh, bknorm, bvscale, bvzero, tile + 1, seq_len, start, table, q3,
+                                     qf, qc, m_i, l_part, acc, HEAD_DIM, KEY_BITS, V_BITS, KBM, BN, XL, V_SHAPE,
+                                     V_ORDER, XP, SB)
 
     # merge the 4 warps: each its own max, sums and O^T
     m_f = gl.max(m_i, 0)  # [8]
     m_use = gl.where(m_f == float("-inf"), 0.0, m_f)
     w_scale = gl.exp2(m_i - m_use[None, :])  # [4, 8]; 0 for a warp that saw nothing
     w_scale = gl.where(m_i == float("-inf"), 0.0, w_scale)
-    if MMA_SUMS:
-        # C [w, 8 h8 + h, col]: the softmax sum is column 0 of both row halves, P x zero column 1 + h8
-        c4 = gl.reshape(l_part, [4, 2, 8, 8])
-        h8 = gl.arange(0, 2, layout=sliced(c4.type.layout, (1,), 4))[None, :, None, None]
-        col = gl.arange(0, 8, layout=sliced(c4.type.layout, (3,), 4))[None, None, None, :]
-        l_w = gl.convert_layout(gl.sum(gl.sum(gl.where(col == 0, c4, 0.0), 3), 1), ROWL)
-        z_w = gl.convert_layout(gl.sum(gl.sum(gl.where(col == 1 + h8, c4, 0.0), 3), 1), ROWL)
-    else:
-        l_w = gl.convert_layout(gl.sum(l_part, 2), ROWL)
-        z_w = gl.convert_layout(gl.sum(z_part, 2), ROWL)
+    # C [w, 8 h8 + h, col]: the softmax sum is column 0 of both row halves, P x zero column 1 + h8
+    c4 = gl.reshape(l_part, [4, 2, 8, 8])
+    h8 = gl.arange(0, 2, layout=sliced(c4.type.layout, (1,), 4))[None, :, None, None]
+    col = gl.arange(0, 8, layout=sliced(c4.type.layout, (3,), 4))[None, None, None, :]
+    l_w = gl.convert_layout(gl.sum(gl.sum(gl.where(col == 0, c4, 0.0), 3), 1), ROWL)
+    z_w = gl.convert_layout(gl.sum(gl.sum(gl.where(col == 1 + h8, c4, 0.0), 3), 1), ROWL)
     l_i = gl.sum(l_w * w_scale, 0)
     z_i = gl.sum(z_w * w_scale, 0)
     ws = gl.convert_layout(w_scale, gl.SliceLayout(1, MMA))
@@ -824,41 +770,114 @@ def _tq_warp_kernel(
     l_o = gl.convert_layout(l_i, gl.SliceLayout(0, out_l))
     z_o = gl.convert_layout(z_i, gl.SliceLayout(0, out_l))
     o = o * unit[:, None] + z_o[None, :]
-    if STAMPS:
-        _stamp(o, stamp_ptr, 4)
-    _store_result(o, m_o, l_o, q_head, h_mask, offs_d, seq, split, num_splits, sinks_ptr, out_ptr, part_out_ptr,
-                  part_lse_ptr, stride_ob, stride_oh, NUM_KV, GROUP, HEAD_DIM, HAS_SINKS, IS_SPLIT)
+    store_result(o, m_o, l_o, q_head, h_mask, offs_d, seq, split, num_splits, sinks_ptr, out_ptr, part_out_ptr,
+                 part_lse_ptr, stride_ob, stride_oh, NUM_KV, GROUP, HEAD_DIM, HAS_SINKS, IS_SPLIT)
     if FUSED:
         _merge_if_last(cnt_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, seq, kvh, num_splits, stride_ob,
-                       stride_oh, NUM_KV, GROUP, HEAD_DIM, S_BLOCK, S_CHUNK, HAS_SINKS, stamp_ptr, STAMPS)
+                       stride_oh, NUM_KV, GROUP, HEAD_DIM, S_BLOCK, S_CHUNK, HAS_SINKS)
 
 
 FORMATS = WARP_ORDER_FORMATS
-"""Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values, their planar pages in this
-kernel's order (`turboquant.warp_plane_order`)."""
-REGISTERS = {"turboquant_4bit_nc": {(64, 64): 96, (64, 128): 151, (64, 256): 232, (128, 64): 146, (128, 128): 199},
-             "turboquant_k3v4_nc": {(64, 64): 110, (64, 128): 149, (64, 256): 221, (128, 64): 147, (128, 128): 200},
-             "turboquant_3bit_nc": {(64, 64): 116, (64, 128): 150, (64, 256): 221, (128, 64): 149,
-                                    (128, 128): 216}}
-"""Registers per thread of the sm_90 compile by format and (head_dim, tile tokens) (Triton 3.6, no cap, pages
-two tiles ahead, the lazy max, `TQGluonConfig.sum_pages` on and, for the default tiles (256 at head_dim 64, 128 at
-128), `TQGluonConfig.unroll`, `mma_sums`, `rotate_query` and `fused_merge` where `tq_gluon.default_config` sets them;
-`bench/sass_mix.py --tq-gluon FORMAT --head-dim D --block-n BN --per-warp --sum-pages [--unroll] [--mma-sums] [--rotate]
-[--fused-splits 32]`: the same count for 4 splits);
-`TQGluonConfig.maxnreg` overrides."""
+"""Formats it decodes: centroid keys (4- or 3-bit) with 4- or 3-bit values, their planar pages in this kernel's
+order (`turboquant.warp_plane_order`)."""
+HEAD_DIMS = (64, 128)
+"""Head dims it takes."""
+MAX_GROUP = 8
+"""Largest GQA group: the N of the score MMA is 8."""
+
+
+def block_n(head_dim: int) -> int:
+    """Tokens per tile: four pages per warp at head_dim 64 (256 tokens), two at head_dim 128 (128 tokens)."""
+    return 256 if head_dim <= 64 else 128
+
+
+REGISTERS = {"turboquant_4bit_nc": {64: 232, 128: 199}, "turboquant_k3v4_nc": {64: 221, 128: 200},
+             "turboquant_3bit_nc": {64: 221, 128: 216}}
+"""Registers per thread of the sm_90 compile by format and head_dim (the default tiles; the fused merge of up to
+`MAX_FUSED_SPLITS` splits included): what the split count's wave size is computed from."""
+
+FIRST_WAVE_WEIGHT = {"turboquant_3bit_nc": 1.125}
+"""Tiles of a first-wave split relative to the others, by format (1 where absent). With 2 programs per SM the warp
+schedulers favour the older program, so the split that starts second on an SM ends last; 3bit_nc's first-wave
+splits take 18/16 of the tiles where that measured faster (bench/KERNELS.md)."""
+FIRST_WAVE_MIN_TILES = 64
+"""The first-wave weight applies only to calls whose splits average at least this many tiles over the block
+table's span (with fewer it moves a tile or two and measured slower)."""
+WAVE_UNIT = 16
+"""`split_weights`' denominator: first-wave weights in steps of 1/16."""
+MAX_FUSED_SPLITS = 32
+"""Most splits the kernel merges itself (`_merge_if_last`), in one block of loads: the count at batch 1 with 8
+KV heads. Calls with more splits take `launch.merge_splits`."""
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def refusal(fmt: str, head_dim: int, group: int, page: int = PAGE) -> str:
+    """Why this kernel does not take layers of this shape ("" when it does)."""
+    if fmt not in FORMATS:
+        return f"it decodes {' and '.join(FORMATS)} only"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim}: it takes {' or '.join(map(str, HEAD_DIMS))}"
+    if group > MAX_GROUP:
+        return f"GQA groups above {MAX_GROUP} query heads per KV head"
+    if page != PAGE:
+        return f"it reads {PAGE}-token pages, not {page}"
+    return ""
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """int32 zeros, at least `n`: one counter per (sequence, KV head) of a fused-merge launch (`_merge_if_last`),
+    one buffer per device. The last split of each group zeroes its counter, so the buffer is zero again whenever
+    a launch ends; launches that share it must not overlap, which holds for one decode stream per device (graph
+    replays included), not for fused launches on two streams at once. None while a CUDA graph is being captured
+    and the buffer is missing or too small (memory allocated in a capture belongs to the graph's pool): that call
+    takes the merge kernel, so warm up eagerly before capturing."""
+    device = torch.device(device)
+    buf = _ARRIVALS.get(device)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _ARRIVALS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 @functools.cache
 def rotation_operand(fmt: str, head_dim: int, device: str) -> torch.Tensor:
-    """fp16 [D, D], row j = column `query_order`[j] of Pi^T sqrt(D) (`turboquant.rotation_t_signs`, entries
-    +-1): the B operand of `_rotated_query`, whose product then comes out in the score MMA's K order."""
-    rot = rotation_t_signs(head_dim)[:, query_order(fmt, head_dim)]
+    """fp16 [D, D], row j = column `int8_operand_order`[j] of Pi^T sqrt(D) (`turboquant.rotation_t_signs`,
+    entries +-1): the B operand of `_rotated_query`, whose product then comes out in the score MMA's K order."""
+    rot = rotation_t_signs(head_dim)[:, int8_operand_order(fmt, head_dim)]
     return rot.t().contiguous().to(device)
 
 
+@functools.cache
+def _table_word(fmt: str, device: str) -> torch.Tensor:
+    """int32 [1]: the first word of the centroid keys' PRMT table (`turboquant.int8_table_word`), which the kernel
+    loads into a register."""
+    return torch.tensor([int8_table_word(tq_layout(fmt, 64).key_bits)], dtype=torch.int32).to(device)
+
+
+def kernel_constexprs(fmt: str, head_dim: int, group: int, num_kv_heads: int) -> dict:
+    """The compile-time arguments that follow from the format and the shapes (a launch adds the per-call ones)."""
+    lay = tq_layout(fmt, head_dim)
+    return dict(GROUP=group, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, **planar_constexprs(fmt, head_dim),
+                I8_SCALE=int8_centroids(lay.key_bits)[1], I8_OFFSET=int8_offset(lay.key_bits))
+
+
 def smem_bytes(head_dim: int) -> int:
-    """Shared memory of one program (the compiler's scratch for layout conversions; same compile)."""
+    """Shared memory of one program (the compiler's scratch for layout conversions)."""
     return 128 * head_dim
+
+
+def programs_per_sm(fmt: str, head_dim: int, device: torch.device) -> int:
+    """Programs resident per SM (registers decide): 2 on an H200."""
+    return resident_programs(REGISTERS[fmt][head_dim], smem_bytes(head_dim), 4, device)
+
+
+def default_splits(fmt: str, batch: int, num_kv_heads: int, span_tokens: int, head_dim: int,
+                   device: torch.device) -> int:
+    """Splits per sequence over `span_tokens` (`launch.split_count`, one wave): a power of two unless that leaves
+    more than 15% of the wave's slots empty."""
+    return split_count(batch, num_kv_heads, span_tokens, block_n(head_dim), programs_per_sm(fmt, head_dim, device),
+                       device, waves=(), pow2_fill=0.85)
 
 
 def merge_blocks(splits: int, head_dim: int) -> dict:
@@ -868,24 +887,21 @@ def merge_blocks(splits: int, head_dim: int) -> dict:
     return {"S_BLOCK": s_block, "S_CHUNK": min(s_block, 4096 // head_dim)}
 
 
-WAVE_UNIT = 16
-"""`split_weights`' denominator: first-wave weights in steps of 1/16."""
-
-
 def split_weights(first_wave_weight: float) -> tuple[int, int]:
-    """(W1, W2) of `_weighted_tiles` for `TQGluonConfig.first_wave_weight` r: r in sixteenths against 16; (0, 0)
-    for r = 1 (equal splits, the (KV head, split, sequence) grid)."""
+    """(W1, W2) of `_weighted_tiles` for a first-wave weight r: r in sixteenths against 16; (0, 0) for r = 1
+    (equal splits, the (KV head, split, sequence) grid)."""
     if not 0.5 <= first_wave_weight <= 4.0:
-        raise ValueError(f"TQGluonConfig.first_wave_weight must be in [0.5, 4], got {first_wave_weight}")
+        raise ValueError(f"a first-wave weight must be in [0.5, 4], got {first_wave_weight}")
     w1 = round(first_wave_weight * WAVE_UNIT)
     return (0, 0) if w1 == WAVE_UNIT else (w1, WAVE_UNIT)
 
 
-def call_weights(cfg, span: int, splits: int) -> tuple[int, int]:
-    """(W1, W2) of one call: `split_weights` of `cfg.first_wave_weight` where its splits average at least
-    `cfg.first_wave_min_tiles` tiles over `span` tokens (the block table's, no host sync), else (0, 0)."""
-    weights = split_weights(cfg.first_wave_weight)  # checks the weight whatever the call
-    return (0, 0) if span < cfg.first_wave_min_tiles * cfg.block_n * splits else weights
+def call_weights(fmt: str, head_dim: int, span_tokens: int, splits: int) -> tuple[int, int]:
+    """(W1, W2) of one call: `split_weights` of the format's `FIRST_WAVE_WEIGHT` where its splits average at least
+    `FIRST_WAVE_MIN_TILES` tiles over `span_tokens` (the block table's, no host sync), else (0, 0)."""
+    if span_tokens < FIRST_WAVE_MIN_TILES * block_n(head_dim) * splits:
+        return (0, 0)
+    return split_weights(FIRST_WAVE_WEIGHT.get(fmt, 1.0))
 
 
 def weighted_tiles(first_tile: int, end_tile: int, split: int, num_splits: int, group: int, num_groups: int,
@@ -899,50 +915,33 @@ def weighted_tiles(first_tile: int, end_tile: int, split: int, num_splits: int, 
     return first_tile + n * lo // total, first_tile + n * hi // total
 
 
-def decode_tq_warp(query: torch.Tensor, q16: torch.Tensor, q_scale: float, cache: torch.Tensor, fmt: str,
-                   block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sliding_window: int | None,
-                   sinks: torch.Tensor | None, splits: int, out: torch.Tensor, cfg,
-                   stamps: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the kernel (and, when split without `cfg.fused_merge` or past `MAX_FUSED_SPLITS` splits, the shared
-    merge kernel); arguments as `tq_gluon.decode_tq_gluon`, `cfg` its
-    `TQGluonConfig` (block_n, maxnreg, pages_ahead, lazy_max, sum_pages, unroll, mma_sums, rotate_query: then
-    `q16` is the query itself and `q_scale` the softmax scale x log2(e), and the kernel rotates it). `stamps`
-    (probe only, bench/probe_tq_stamps.py): int64 [programs, `tq_gluon.STAMPS_ROW`], zeroed; each program's
-    `tq_gluon.STAMPS` at the row of its linear block id (grid (kv heads, splits, batch), or with
-    `first_wave_weight` (batch x kv heads, splits))."""
-    from kvpolicy.kernels.decode_attention import _span, launch_merge, split_partials
-    from kvpolicy.kernels.tq_gluon import TQGluonConfig
-
+def decode(query: torch.Tensor, cache: torch.Tensor, fmt: str, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+           *, q_scale: float, sliding_window: int | None, sinks: torch.Tensor | None, num_splits: int | None,
+           out: torch.Tensor) -> torch.Tensor:
+    """Run the kernel on a planar cache: `query` the raw query (the kernel rotates it), `q_scale` the softmax
+    scale x log2(e). Split calls of up to `MAX_FUSED_SPLITS` splits merge in the kernel, others in
+    `launch.merge_splits`. Inputs already validated by `tq_decode.decode_attention_tq`."""
     if fmt not in FORMATS:
         raise ValueError(f"the per-warp kernel decodes {' and '.join(FORMATS)} only, not {fmt}")
-    if cfg.mma_sums and pages_per_warp(cfg.block_n) < 2:
-        raise ValueError(f"TQGluonConfig.mma_sums takes two or four pages per warp (block_n 128 or 256), got {cfg}")
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = cache.shape[1]
-    cx = kernel_constexprs(fmt, head_dim, num_q_heads, num_kv_heads, TQGluonConfig(block_n=64))
-    cx = {k: cx[k] for k in ("GROUP", "NUM_KV", "HEAD_DIM", "SLOT", "KEY_BITS", "V_BITS", "KBM", "KB", "VBM", "VB",
-                             "NF", "I8_SCALE", "I8_OFFSET")}
+    bn = block_n(head_dim)
+    span_tokens = span(block_tables, PAGE, sliding_window, bn)
+    splits = num_splits or default_splits(fmt, batch, num_kv_heads, span_tokens, head_dim, query.device)
+    cx = kernel_constexprs(fmt, head_dim, num_q_heads // num_kv_heads, num_kv_heads)
     part_out, part_lse = split_partials(out, splits)
-    table = _kernel_table(fmt, head_dim, str(cache.device))
-    rot = rotation_operand(fmt, head_dim, str(cache.device)) if cfg.rotate_query else table
-    counters = None
-    if cfg.fused_merge and 1 < splits <= MAX_FUSED_SPLITS:
-        counters = arrival_counters(cache.device, batch * num_kv_heads)
-    w1, w2 = call_weights(cfg, _span(block_tables, PAGE, sliding_window, cfg.block_n), splits)
+    counters = arrival_counters(cache.device, batch * num_kv_heads) if 1 < splits <= MAX_FUSED_SPLITS else None
+    w1, w2 = call_weights(fmt, head_dim, span_tokens, splits)
     grid = (batch * num_kv_heads, splits) if w1 else (num_kv_heads, splits, batch)
     _tq_warp_kernel[grid](
-        q16, table, rot, cache.view(torch.int32), cache.view(torch.int16), block_tables, seq_lens,
-        sinks if sinks is not None else seq_lens, out, part_out, part_lse,
-        counters if counters is not None else seq_lens, stamps if stamps is not None else seq_lens, float(q_scale),
-        int(sliding_window or 0), splits, sm_count(cache.device) if w1 else 0, q16.stride(0), q16.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), **cx,
-        **layouts(cx["KBM"], head_dim, cx["V_BITS"], cfg.block_n, cfg.sum_pages, cfg.mma_sums),
-        UNROLL=cfg.unroll, PAGES_AHEAD=cfg.pages_ahead, LAZY=cfg.lazy_max, HAS_WINDOW=sliding_window is not None,
-        HAS_SINKS=sinks is not None and (splits == 1 or counters is not None), IS_SPLIT=splits > 1,
-        ROTATE=cfg.rotate_query, OFF32=cache.nbytes // 4 < 2**31, FUSED=counters is not None,
-        STAMPS=stamps is not None, WAVE_W1=w1, WAVE_W2=w2,
-        **merge_blocks(splits if counters is not None else 1, head_dim), num_warps=4,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        query, _table_word(fmt, str(cache.device)), rotation_operand(fmt, head_dim, str(cache.device)),
+        cache.view(torch.int32), block_tables, seq_lens, sinks if sinks is not None else seq_lens, out, part_out,
+        part_lse, counters if counters is not None else seq_lens, float(q_scale), int(sliding_window or 0), splits,
+        sm_count(cache.device) if w1 else 0, query.stride(0), query.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), **cx, **layouts(cx["KBM"], head_dim, cx["V_BITS"], bn),
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None and (splits == 1 or counters is not None),
+        IS_SPLIT=splits > 1, OFF32=cache.nbytes // 4 < 2**31, FUSED=counters is not None, WAVE_W1=w1, WAVE_W2=w2,
+        **merge_blocks(splits if counters is not None else 1, head_dim), num_warps=4)
     if splits > 1 and counters is None:
-        launch_merge(part_out, part_lse, sinks, out, splits, pdl=False)
+        merge_splits(part_out, part_lse, sinks, out, splits)
     return out

@@ -1,4 +1,4 @@
-"""TurboQuant-style KV formats: Lloyd-Max codebooks, the shared Hadamard rotation, slot layouts.
+"""TurboQuant-style KV formats: Lloyd-Max codebooks, the shared Hadamard rotation, kernel tables, PTX unpackers.
 
 The four formats are vLLM's (`turboquant_k8v4`, `turboquant_4bit_nc`,
 `turboquant_k3v4_nc`, `turboquant_3bit_nc`) with vLLM's slot sizes. Keys of the
@@ -7,16 +7,7 @@ transform, normalised, and each coordinate is replaced by the index of its
 Lloyd-Max centroid for N(0, 1/D); k8v4 keys are plain FP8 e4m3 of the raw key
 (as in vLLM). Values are per-vector asymmetric uniform with fp16 scale and zero.
 
-Our slot layout (byte order inside the slot is ours; the size is vLLM's):
-
-    [key codes | value codes | key norm fp16 (centroid keys only) | v scale fp16 | v zero fp16 | pad]
-
-4-bit codes: byte j holds coordinate j (low nibble) and j + D/2 (high nibble),
-so a kernel gets two contiguous half-vectors from one byte tile without any
-interleaving. 3-bit codes are two planes: D/4 bytes of 2-bit fields (byte j,
-bits 2s..2s+1 = low bits of coordinate s*D/4 + j) and D/8 bytes of 1-bit
-fields (byte j, bit t = bit 2 of coordinate t*D/8 + j), so each quarter of the
-vector unpacks with one shift per plane.
+The slot and planar page layouts are `formats.py`'s.
 
 Key codes are sign-magnitude, not the sorted centroid index: for b bits the
 code is (negative << (b-1)) | r and means (-1)^negative * m[r], where m are the
@@ -36,88 +27,25 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvpolicy.formats import get_format
-
-TQ_FORMATS: tuple[str, ...] = (
-    "turboquant_k8v4",
-    "turboquant_4bit_nc",
-    "turboquant_k3v4_nc",
-    "turboquant_3bit_nc",
+from kvpolicy.kernels.formats import (
+    PAGE,
+    WARP_ORDER_FORMATS,
+    code_planes,
+    field_planes,
+    plane_kinds,
+    tq_layout,
 )
-"""The four TurboQuant `--kv-cache-dtype` values our kernels implement."""
-
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
-"""Head dims the kernels take: powers of two (Hadamard) with D/8 >= 8 lanes for the 3-bit plane."""
-
-FP8_E4M3_MAX = 448.0
-"""Largest finite e4m3 value; FP8 keys saturate there (vLLM uses no key scale for k8v4)."""
 
 ROTATION_SEED = 0x7151
 """Seed of the Hadamard sign pattern: fixed so that a cache written today decodes tomorrow."""
 
-
-@dataclass(frozen=True)
-class TQLayout:
-    """Byte layout of one TurboQuant slot (one token of one KV head)."""
-
-    name: str
-    """The `--kv-cache-dtype` value."""
-    head_dim: int
-    """D."""
-    key_bits: int
-    """8 for FP8 keys, else 3 or 4 (Lloyd-Max code bits)."""
-    value_bits: int
-    """3 or 4 (uniform code bits)."""
-    slot_bytes: int
-    """Bytes per token per KV head, vLLM's size."""
-    key_off: int
-    """Offset of the key codes."""
-    key_bytes: int
-    """Bytes of key codes (D for FP8, D*bits/8 otherwise)."""
-    val_off: int
-    """Offset of the value codes."""
-    val_bytes: int
-    """Bytes of value codes."""
-    knorm_off: int
-    """Offset of the fp16 key norm (-1 for FP8 keys, which have none)."""
-    vscale_off: int
-    """Offset of the fp16 value scale."""
-    vzero_off: int
-    """Offset of the fp16 value zero point (the vector minimum)."""
-
-    @property
-    def key_fp8(self) -> bool:
-        """Keys are FP8 e4m3 (k8v4) rather than centroid codes."""
-        return self.key_bits == 8
-
-
-def tq_layout(fmt: str, head_dim: int) -> TQLayout:
-    """Slot layout of `fmt` at `head_dim`; raises ValueError for unknown formats or head dims."""
-    if fmt not in TQ_FORMATS:
-        raise ValueError(f"unknown TurboQuant format {fmt!r}; expected one of {', '.join(TQ_FORMATS)}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"{fmt}: head_dim {head_dim} is not supported; expected one of {SUPPORTED_HEAD_DIMS}"
-        )
-    spec = get_format(fmt)
-    kb, vb = spec.key_bits, spec.value_bits
-    key_bytes = head_dim if kb == 8 else head_dim * kb // 8
-    val_bytes = head_dim * vb // 8
-    val_off = key_bytes
-    tail = val_off + val_bytes
-    knorm_off = -1 if kb == 8 else tail
-    vscale_off = tail if kb == 8 else tail + 2
-    used = vscale_off + 4
-    slot = spec.slot_bytes(head_dim)
-    if slot < used or slot % 2:
-        raise ValueError(f"{fmt}: slot_bytes({head_dim}) = {slot} cannot hold {used} bytes")
-    return TQLayout(fmt, head_dim, kb, vb, slot, 0, key_bytes, val_off, val_bytes,
-                    knorm_off, vscale_off, vscale_off + 2)
+LAZY_MAX_MARGIN = 4.0
+"""The Hopper kernels' lazy softmax max: the reference max moves only when a score passes it by this much (log2
+units), so P <= 2^4 and P x value scale stays finite in fp16 for value scales below 4094."""
 
 
 # --- Lloyd-Max codebooks -----------------------------------------------------
@@ -276,40 +204,11 @@ def allocate_tq_cache(
 # the 2-bit fields' rows and then the 1-bit fields' rows (`code_planes`). A head's page,
 # and every plane in it, then starts on a 16-byte boundary (block_size 16), which TMA
 # copies and 16-byte vector loads need; a slot of the NHD layout starts at
-# head x slot_bytes, a multiple of 2 only (bench/probe_tma_alignment.py). The Gluon
-# kernel (`tq_gluon.py`) reads this layout, `tq_store.store_kv_tq` writes both.
-
-
-PLANAR_PAGE = 16
-"""Tokens per planar page: vLLM's default block size, and what makes every plane 16-byte aligned."""
-
-
-def code_planes(fmt: str, head_dim: int) -> tuple[tuple[int, int], ...]:
-    """(slot offset, bytes per token) of each code plane of a planar page, in page order: the key's, then the
-    value's. 3-bit codes split into their 2-bit plane (D/4 bytes) and 1-bit plane (D/8 bytes), so that
-    each starts on a 16-byte boundary of the page and a row of either is whole 32-bit words."""
-    lay = tq_layout(fmt, head_dim)
-    planes = []
-    for off, bits, nbytes in ((lay.key_off, lay.key_bits, lay.key_bytes), (lay.val_off, lay.value_bits, lay.val_bytes)):
-        if bits == 3:
-            planes += [(off, head_dim // 4), (off + head_dim // 4, head_dim // 8)]
-        else:
-            planes.append((off, nbytes))
-    return tuple(planes)
-
-
-def field_planes(fmt: str, head_dim: int) -> tuple[int, ...]:
-    """Slot offsets of the fp16 fields, in the order of their planes: (key norm,) value scale, value zero."""
-    lay = tq_layout(fmt, head_dim)
-    return ((lay.knorm_off,) if not lay.key_fp8 else ()) + (lay.vscale_off, lay.vzero_off)
-
-
-WARP_ORDER_FORMATS = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-"""Formats whose planar pages hold each plane in the per-warp kernel's thread order (`warp_plane_order`)."""
-
+# head x slot_bytes, a multiple of 2 only. The Gluon kernels (`tq_gluon.py`, `tq_warp.py`)
+# read this layout, `tq_store.store_kv_tq` writes both.
 
 def warp_plane_order(kind: str, nbytes: int) -> torch.Tensor:
-    """[PLANAR_PAGE, nbytes]: where in its plane each byte of each token's part goes, for the per-warp kernel
+    """[PAGE, nbytes]: where in its plane each byte of each token's part goes, for the per-warp kernel
     (`tq_warp._load_w`), which then reads each thread's bytes of a page as one or two 16-, 8- or 4-byte
     vectors instead of one word per row (and gets the value bytes of two tokens already interleaved).
     Tokens t = 8 r8 + r = 8 r8 + 2 c + r1 (c the thread in its lane group, r the lane group):
@@ -321,7 +220,7 @@ def warp_plane_order(kind: str, nbytes: int) -> torch.Tensor:
       plane: group u of nbytes / 4 bytes, shared by threads u and u + 4) and "field" (one fp16, one group):
       the group's bytes of rows 2c, 2c + 1, 8 + 2c, 9 + 2c, together, as words that each hold byte pair q
       of token 2c + 8 r8 and then the same pair of token 2c + 8 r8 + 1."""
-    t = torch.arange(PLANAR_PAGE)[:, None]
+    t = torch.arange(PAGE)[:, None]
     b = torch.arange(nbytes)[None, :]
     r, r8, c, r1 = t % 8, t // 8, (t % 8) // 2, t % 2
     if kind in ("key", "key1"):
@@ -334,13 +233,6 @@ def warp_plane_order(kind: str, nbytes: int) -> torch.Tensor:
     group = {"value": nbytes // 8, "value1": nbytes // 4, "field": 2}[kind]
     g, q, y = b // group, (b % group) // 2, b % 2
     return (((((g * 4 + c) * 2 + r8) * (group // 2) + q) * 2 + r1) * 2) + y
-
-
-def plane_kinds(fmt: str, head_dim: int) -> list[str]:
-    """`warp_plane_order`'s kind of each code plane, in `code_planes` order."""
-    lay = tq_layout(fmt, head_dim)
-    return (["key", "key1"] if lay.key_bits == 3 else ["key"]) + (["value", "value1"] if lay.value_bits == 3
-                                                                   else ["value"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -356,7 +248,7 @@ def _planar_source(fmt: str, head_dim: int, block_size: int) -> torch.Tensor:
     parts = []
     for (off, n), kind in zip(planes, kinds):
         src = (tok[:, None] * lay.slot_bytes + off + torch.arange(n)[None, :])
-        if fmt in WARP_ORDER_FORMATS and block_size == PLANAR_PAGE:
+        if fmt in WARP_ORDER_FORMATS and block_size == PAGE:
             part = torch.empty(block_size * n, dtype=torch.long)
             part[warp_plane_order(kind, n).reshape(-1)] = src.reshape(-1)
             src = part
@@ -369,7 +261,7 @@ def _planar_source(fmt: str, head_dim: int, block_size: int) -> torch.Tensor:
     return src
 
 
-def planar_destinations(fmt: str, head_dim: int, block_size: int = PLANAR_PAGE) -> torch.Tensor:
+def planar_destinations(fmt: str, head_dim: int, block_size: int = PAGE) -> torch.Tensor:
     """[block_size, slot_bytes]: where in its planar page each byte of each token's slot goes (the inverse of
     the planar permutation), for writing single tokens without converting whole pages."""
     slot = tq_layout(fmt, head_dim).slot_bytes
@@ -383,7 +275,7 @@ def planar_from_slots(cache: torch.Tensor, fmt: str, head_dim: int) -> torch.Ten
     return pages[..., _planar_source(fmt, head_dim, bs).to(cache.device)].contiguous()
 
 
-def slots_from_planar(cache: torch.Tensor, fmt: str, head_dim: int, block_size: int = PLANAR_PAGE) -> torch.Tensor:
+def slots_from_planar(cache: torch.Tensor, fmt: str, head_dim: int, block_size: int = PAGE) -> torch.Tensor:
     """The NHD slot layout [blocks, block_size, kv_heads, slot_bytes] of a planar cache (a new tensor)."""
     nb, h, _ = cache.shape
     slot = tq_layout(fmt, head_dim).slot_bytes
@@ -502,8 +394,7 @@ def v4_program() -> list[PtxOp]:
     """4-bit value codes: in $4 = 4 bytes; out ($0,$1) = low nibble, ($2,$3) = 16 * high nibble, exact fp16.
 
     The 1024 offset is subtracted in fp16 (exact) rather than after the product: carried through
-    the tensor-core accumulator it would amplify its rounding by ~1024/7.5 (measured on an H200:
-    7e-3 relative error at 1k tokens against 1e-3 without it)."""
+    the tensor-core accumulator it would amplify the accumulator's rounding about 1024/7.5-fold."""
     or_masked = 0xEA  # lop3: (a & b) | c
     return [
         ("mov", "m", MAGIC_1024),
@@ -596,10 +487,11 @@ def subnormal_byte_order(index):
     return (index & ~3) | ((index & 1) << 1) | ((index >> 1) & 1)
 
 
-# --- int8 centroid keys (the Gluon kernel's score MMA) ------------------------------------------------
+# --- int8 centroid keys (the per-warp Gluon kernel's score MMA) -------------------------------------------
 #
-# The Gluon kernel multiplies centroid keys as int8 against an int8 query (two bytes per coordinate, hi and
-# lo), so a look-up yields 4 codes per 32-bit register instead of 2 and the score MMA is an int8 wgmma.
+# The per-warp kernel (`tq_warp.py`) multiplies centroid keys as int8 against an int8 query (two bytes per
+# coordinate, hi and lo), so a look-up yields 4 codes per 32-bit register instead of 2 and the score MMA is an
+# int8 mma.sync.
 # For 4-bit keys byte b stands for (b + 1/2) / S: then ~b = -b - 1 stands for exactly -(b + 1/2) / S, so the
 # sign of a sign-magnitude code is one XOR, and the 1/2 becomes one per-head constant (1/2 x the sum of the
 # query). The 3-bit table is read whole by PRMT (sign included), so it holds -b and needs no offset

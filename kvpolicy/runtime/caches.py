@@ -84,9 +84,9 @@ class LayerPlan:
         if self.fmt is not None and self.fmt.kind == "turboquant":
             if gluon:
                 # Hopper: TurboQuant layers read a planar cache with the Gluon kernel (what it takes is its own to say)
-                from kvpolicy.kernels import tq_gluon as tg
+                from kvpolicy.kernels.tq_decode import gluon_refusal
 
-                if not tg.refusal(self.fmt.name, self.head_dim, self.num_q_heads // self.num_kv_heads, BLOCK_SIZE):
+                if not gluon_refusal(self.fmt.name, self.head_dim, self.num_q_heads // self.num_kv_heads, BLOCK_SIZE):
                     return "gluon"
             return "triton"
         if self.head_dim not in KERNEL_HEAD_DIMS:

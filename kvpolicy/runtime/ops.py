@@ -4,9 +4,9 @@ This is where a layer plan becomes kernel calls. The kernels take tensors, a
 cache layout and switches; which switch a layer gets (format, window, sinks,
 two-level, scales) comes from its plan and the variant, never from a policy.
 `backend` is `triton` (CUDA) or `reference` (float64 torch, any device).
-On a Hopper GPU, FP8 layers decode with the Gluon kernel (kernels/decode_gluon.py,
+On a Hopper GPU, FP8 layers decode with the Gluon kernel (kvpolicy/kernels/decode_gluon.py,
 e4m3 query as in vLLM's FA3 FP8 path), and TurboQuant layers with the
-Gluon TurboQuant kernel on planar caches (kernels/tq_gluon.py); `KVPOLICY_GLUON=0`
+Gluon TurboQuant kernels on planar caches (kvpolicy/kernels/tq_gluon.py, tq_warp.py); `KVPOLICY_GLUON=0`
 keeps them on Triton.
 Layers the BF16/FP8 kernel does not take (an MLA latent of 576 dims, head dims
 above 256) run the reference on every backend; `LayerPlan.kernel_path` says
@@ -59,14 +59,14 @@ def store(cache: LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torc
 def _gluon_on(device: torch.device) -> bool:
     if device.type != "cuda":
         return False  # before importing the kernels: the CPU runtime needs no Triton
-    from kvpolicy.kernels.decode_attention import gluon_runs_on
+    from kvpolicy.kernels.launch import gluon_runs_on
 
     return gluon_runs_on(device)[0]
 
 
 def gluon_available(device: torch.device) -> bool:
     """Whether FP8 and TurboQuant layers decode with the Gluon kernels here: an sm_90 GPU, a Triton with its Gluon API
-    (`decode_attention.gluon_runs_on`), and `KVPOLICY_GLUON` not set to 0."""
+    (`launch.gluon_runs_on`), and `KVPOLICY_GLUON` not set to 0."""
     return os.environ.get("KVPOLICY_GLUON", "1") != "0" and _gluon_on(device)
 
 

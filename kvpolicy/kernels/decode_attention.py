@@ -27,7 +27,6 @@ from kvpolicy.kernels.launch import (
     span,
     split_count,
     split_partials,
-    split_tiles,
 )
 from kvpolicy.kernels.paged_store import check_scale, fp8_e4m3_bits
 
@@ -218,7 +217,16 @@ def _decode_attention_kernel(
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
-    seq_len, start, tile_lo, tile_hi = split_tiles(seq_lens_ptr, seq, window, split, num_splits, BLOCK_N, HAS_WINDOW)
+    # `launch.split_tiles`'s cut, written out: as an inlined call its debug labels split ptxas's basic blocks
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    first_tile = start // BLOCK_N
+    end_tile = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, end_tile)
 
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < GROUP

@@ -2,7 +2,9 @@
 """Decode attention on one GPU in one run: our KV formats against torch SDPA BF16 (cuDNN, flash).
 
     python bench/bench_decode.py [--quick] [--formats bf16,fp8,sdpa_cudnn] [--contexts 1024,131072]
-                                 [--batch 1,8] [--geometries llama-3.1-8b] [--tune] [--skip-accuracy] [--out PATH]
+                                 [--batch 1,8] [--geometries llama-3.1-8b] [--skip-accuracy] [--out PATH]
+    python bench/bench_decode.py --reprint RUN.json        # no GPU: the tables of a saved run
+    python bench/bench_decode.py --compare OLD.json NEW.json [--slope-from 32768]   # no GPU: slopes of two runs
 
 Each timing is the median replay of a CUDA graph of many calls, rotating over
 enough copies of the cache that it cannot sit in L2. Bytes are the KV bytes a
@@ -30,7 +32,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
@@ -40,12 +42,14 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvpolicy.formats import get_format
-from kvpolicy.kernels.decode_attention import DecodeConfig, decode_attention, default_config, gluon_runs_on
+from kvpolicy.kernels.decode_attention import decode_attention, default_config
+from kvpolicy.kernels.formats import TQ_FORMATS
+from kvpolicy.kernels.launch import gluon_runs_on
 from kvpolicy.kernels.paged_store import allocate_cache, compute_kv_scales, store_kv
 from kvpolicy.kernels.reference import ref_decode_attention
 from kvpolicy.kernels.tq_decode import decode_attention_tq
 from kvpolicy.kernels.tq_store import store_kv_tq
-from kvpolicy.kernels.turboquant import TQ_FORMATS, allocate_tq_cache, allocate_tq_planar_cache
+from kvpolicy.kernels.turboquant import allocate_tq_cache, allocate_tq_planar_cache
 from kvpolicy.runtime.fit import break_even_tokens, fit_line
 
 BLOCK_SIZE = 16
@@ -71,15 +75,6 @@ GEOMETRIES = {
     "gpt-oss-20b": Geometry(64, 8, 64, sinks=True),
 }
 
-WGMMA = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=True, programs_per_sm=2.0)
-"""The swapped form: P.V of an FP8 cache runs as an fp8 wgmma, where the two-level toggle matters."""
-
-MIN_TOKENS_PER_SPLIT: int | None = None
-"""--min-tokens-per-split: overrides the default configs' split floor for this run."""
-TUNED: dict[tuple[str, int], DecodeConfig] = {}
-"""Configs chosen by --tune for this run, by (row name, head_dim) (empty: the kernel's defaults)."""
-
-
 def _paged_row(name: str, dtype_name: str, per_head_scales: bool, layout: str = "NHD", **decode_kwargs: Any) -> dict[str, Any]:
     """A row for our paged kernels: store_kv + decode_attention with fixed options, on a cache of `layout`."""
 
@@ -94,10 +89,6 @@ def _paged_row(name: str, dtype_name: str, per_head_scales: bool, layout: str = 
 
     def decode(cache: dict, query, block_tables, seq_lens, sinks, **kwargs) -> torch.Tensor:
         opts = {**decode_kwargs, **kwargs}
-        opts.setdefault("config", TUNED.get((name, query.shape[-1])))
-        if opts["config"] is None and MIN_TOKENS_PER_SPLIT and query.is_cuda:
-            base = default_config(query.shape[-1], dtype_name == "fp8", query.device)
-            opts["config"] = replace(base, min_tokens_per_split=MIN_TOKENS_PER_SPLIT)
         return decode_attention(
             query, cache["key_cache"], cache["value_cache"], block_tables, seq_lens,
             k_scale=cache["k_scale"], v_scale=cache["v_scale"], sinks=sinks, **opts,
@@ -107,57 +98,6 @@ def _paged_row(name: str, dtype_name: str, per_head_scales: bool, layout: str = 
     if per_head_scales:
         row["scale_bytes"] = lambda num_kv_heads: 2 * 4 * num_kv_heads
     return row
-
-
-TQ_CANDIDATES = {
-    "turboquant_k8v4": [(64, 4, True, None), (128, 4, True, None), (64, 4, True, 128), (64, 4, False, None)],
-    "turboquant_4bit_nc": [(64, 4, False, None), (128, 4, False, None), (64, 4, False, 128), (32, 4, False, None),
-                           (64, 2, False, None)],
-    "turboquant_k3v4_nc": [(64, 4, False, None), (128, 4, False, None), (64, 4, False, 128), (32, 4, False, None)],
-    "turboquant_3bit_nc": [(64, 4, False, None), (128, 4, False, None), (32, 4, False, None), (64, 2, False, None)],
-}
-"""(block_n, num_warps, prefetch, maxnreg) tried per TurboQuant row, each with the default split count and twice it.
-The register caps and 32-token tiles trade spills or instructions for resident warps (NOTES_TQ.md, third session)."""
-TQ_TUNED: dict[tuple, dict[str, Any]] = {}
-"""Config picked per (format, query shape, table width) on its first eager call."""
-
-
-def _tq_pick(fmt: str, cache: torch.Tensor, query, block_tables, seq_lens, sinks) -> dict[str, Any]:
-    """Time the candidates on this case (CUDA events, median of 5 runs of 3 calls) and keep the fastest."""
-    key = (fmt, *query.shape, block_tables.shape[1])
-    if key in TQ_TUNED:
-        return TQ_TUNED[key]
-    # the library's split count (None: whole waves, tq_decode.default_num_splits), and 8 and 16 programs per SM
-    num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    base = max(1, min(math.ceil(8 * num_sms / (query.shape[0] * cache.shape[2])), 64))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    trials = []
-    for block_n, num_warps, prefetch, maxnreg in TQ_CANDIDATES[fmt]:
-        for splits in [None, *sorted({base, min(64, 2 * base)})]:
-            opts = dict(block_n=block_n, num_warps=num_warps, prefetch=prefetch, num_splits=splits, maxnreg=maxnreg)
-            try:
-                call = lambda: decode_attention_tq(query, cache, block_tables, seq_lens, fmt, sinks=sinks, **opts)  # noqa: E731
-                call()
-                times = []
-                for _ in range(5):
-                    start.record()
-                    for _ in range(3):
-                        call()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) * 1000 / 3)
-                trials.append((statistics.median(times), opts))
-            except Exception as exc:  # noqa: BLE001 - a candidate that fails is skipped, not fatal
-                print(f"  {fmt} candidate {opts} failed: {type(exc).__name__}: {str(exc)[:160]}")
-    us, best = min(trials, key=lambda t: t[0])
-    TQ_TUNED[key] = best
-    print(f"  {fmt} {tuple(query.shape)} pages={block_tables.shape[1]}: picked {best} ({us:.1f} us) of "
-          + ", ".join(f"{o['block_n']}/{o['num_warps']}w/{o['prefetch']}/{o['maxnreg']}/{o['num_splits'] or 'default'}={t:.0f}"
-                      for t, o in trials), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "tq_tuned.json"), "w") as fh:
-            json.dump([dict(key=list(k), **v) for k, v in TQ_TUNED.items()], fh, indent=1)
-    return best
 
 
 def _tq_row(fmt: str) -> dict[str, Any]:
@@ -170,20 +110,16 @@ def _tq_row(fmt: str) -> dict[str, Any]:
         store_kv_tq(key, value, cache, slot_mapping, fmt)
 
     def decode(cache: torch.Tensor, query, block_tables, seq_lens, sinks, **kwargs) -> torch.Tensor:
-        # the FP8 rows' knobs (two_level, config, ...) do not apply; pass on the ones that do
+        # the FP8 rows' knobs (two_level, ...) do not apply; pass on the ones that do
         opts = {k: v for k, v in kwargs.items() if k in ("out", "num_splits", "sm_scale", "sliding_window")}
-        if query.is_cuda and "num_splits" not in opts and not torch.cuda.is_current_stream_capturing():
-            opts = {**_tq_pick(fmt, cache, query, block_tables, seq_lens, sinks), **opts}
-        elif query.is_cuda and "num_splits" not in opts:
-            opts = {**TQ_TUNED.get((fmt, *query.shape, block_tables.shape[1]), {}), **opts}
         return decode_attention_tq(query, cache, block_tables, seq_lens, fmt, sinks=sinks, **opts)
 
     return {"kv_cache_dtype": fmt, "allocate": allocate, "store": store, "decode": decode}
 
 
 def _tq_gl_row(fmt: str) -> dict[str, Any]:
-    """The Gluon TurboQuant kernel (kernels/tq_gluon.py; Hopper) on a planar cache: the same
-    bytes per token, each KV head's page in 16-byte aligned planes (turboquant.py)."""
+    """The Gluon TurboQuant kernels (tq_gluon.py, tq_warp.py; Hopper) on a planar cache: the same
+    bytes per token, each KV head's page in 16-byte aligned planes (formats.py)."""
     row = dict(_tq_row(fmt))
 
     def allocate(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -206,7 +142,7 @@ FORMATS: dict[str, dict[str, Any]] = {
     # vLLM's FlashInfer layout (one KV head's page contiguous); the rows above are FlashAttention's NHD
     "bf16_hnd": _paged_row("bf16_hnd", "bfloat16", per_head_scales=False, layout="HND"),
     "fp8_hnd": _paged_row("fp8_hnd", "fp8", per_head_scales=True, layout="HND"),
-    # the Gluon kernel (kernels/decode_gluon.py: TMA pages, fp8 wgmma, e4m3 query), Hopper only
+    # the Gluon kernel (decode_gluon.py: TMA pages, fp8 wgmma, e4m3 query), Hopper only
     "fp8_gl": _paged_row("fp8_gl", "fp8", per_head_scales=True, fp8_query=True, kernel="gluon"),
     "fp8_gl_hnd": _paged_row("fp8_gl_hnd", "fp8", per_head_scales=True, layout="HND", fp8_query=True, kernel="gluon"),
     **{fmt: _tq_row(fmt) for fmt in TQ_FORMATS},
@@ -225,7 +161,7 @@ MMA when two-level is off."""
 
 
 def gluon_rows_apply(device) -> bool:
-    """Whether this GPU runs the fp8_gl rows (kernels/decode_gluon.py is written for sm_90)."""
+    """Whether this GPU runs the Gluon rows (written for sm_90)."""
     device = torch.device(device)
     return device.type == "cuda" and gluon_runs_on(device)[0]
 
@@ -374,91 +310,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-# --------------------------------------------------------------------------- tuning
-
-
-def _cfg(swap: bool, bn: int, nw: int, ns: int, pps: float = 8.0, maxnreg: int | None = None,
-         defer: bool = False) -> DecodeConfig:
-    return DecodeConfig(block_n=bn, num_warps=nw, num_stages=ns, swap_ab=swap, programs_per_sm=pps, maxnreg=maxnreg,
-                        defer_sum=defer)
-
-
-def tune_candidates(fmt: str, head_dim: int) -> list[DecodeConfig]:
-    """Tile configs tried per row and head_dim; `n` is the tile that holds 16K elements (64 KB of BF16 K+V).
-
-    NOTES.md: Triton keeps one smem buffer per K/V load, so a program has one
-    tile in flight (v1); FP8 is latency-bound, so smaller tiles with more
-    programs per SM can win (v4). Hand-pipelined register prefetch lost 1.5-2x (v4).
-    """
-    n = max(32, min(256, 16384 // head_dim))
-    if fmt == "bf16":
-        return [_cfg(False, n, 4, 2, pps=2.0), _cfg(False, n, 4, 2, pps=2.0, defer=True),
-                _cfg(False, n // 2, 4, 3, pps=4.0), _cfg(False, n // 2, 4, 3, pps=4.0, defer=True)]
-    h = n // 2
-    # v6: the denominator summed once after the loop (defer) trades a cross-warp sum per tile for registers
-    return [_cfg(False, h, 4, 3, pps=4.0), _cfg(False, h, 4, 3, pps=4.0, defer=True),
-            _cfg(False, h, 4, 4, pps=4.0, defer=True), _cfg(False, h, 4, 3, pps=4.0, defer=True, maxnreg=104),
-            _cfg(False, n, 4, 3, pps=2.0, defer=True)]
-
-
 def output_path(out: str | None, name: str) -> str | None:
     """Where a bench script writes its JSON: --out, else $OUT/name when $OUT is set (the device machine's
     output folder), else nowhere."""
     return out or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
-
-
-def write_probe(out: str | None, name: str, results: list[dict]) -> None:
-    """A probe's results with the GPU's name, at `output_path(out, name)`."""
-    path = output_path(out, name)
-    if path:
-        with open(path, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
-
-
-def tune(device, log: dict, formats: list[str]) -> None:
-    """Per row (of bf16/fp8/fp8_q8 in `formats`) and geometry: pick the tile config, then the split target,
-    at 32k (batch 8 and 1)."""
-    context = 32768
-    results = []
-    for fmt, (gname, geom) in ((f, g) for f in ("bf16", "fp8", "fp8_q8") if f in formats
-                              for g in GEOMETRIES.items()):
-        candidates = tune_candidates(fmt, geom.head_dim)
-        row = FORMATS[fmt]
-        cases = {b: build_case(geom, b, context, {fmt: row}, sdpa=True, copies=1, device=device) for b in (8, 1)}
-        refs = {b: sdpa_call(c, geom, 0, SDPBackend.FLASH_ATTENTION)() for b, c in cases.items()}
-
-        def measure(cfg: DecodeConfig) -> dict:
-            entry = dict(format=fmt, geometry=gname, **asdict(cfg))
-            try:
-                us = {}
-                for b, case in cases.items():
-                    call = lambda case=case: row["decode"](case["caches"][fmt], case["query"], case["tables"][0], case["seq_lens"], None, config=cfg)
-                    err = rel_err(call(), refs[b])
-                    if not err < 0.08:  # FP8 K/V alone give ~0.045 vs the BF16 SDPA output here
-                        raise RuntimeError(f"wrong result: rel err {err:.3g} vs SDPA")
-                    us[b] = time_calls([call])
-                entry.update(us_b8=us[8], us_b1=us[1], score=math.sqrt(us[8] * us[1]))
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is reported, not fatal
-                entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            results.append(entry)
-            print(f"  tune {entry}", flush=True)
-            return entry
-
-        scored = [(cfg, measure(cfg)) for cfg in candidates]
-        scored = [(c, e) for c, e in scored if "score" in e]
-        best = min(scored, key=lambda ce: ce[1]["score"])
-        for pps in (2.0, 4.0, 8.0):  # programs resident per SM: whole waves of them (choose_num_splits)
-            if pps != best[0].programs_per_sm:
-                trial = replace(best[0], programs_per_sm=pps)
-                e = measure(trial)
-                if "score" in e and e["score"] < best[1]["score"]:
-                    best = (trial, e)
-        TUNED[(fmt, geom.head_dim)] = best[0]
-        print(f"  chosen for {fmt} at head_dim {geom.head_dim}: {best[0]}", flush=True)
-        del cases, refs
-        torch.cuda.empty_cache()
-    log["tune"] = results
-    log["tuned"] = {f"{k[0]}/head_dim={k[1]}": asdict(v) for k, v in TUNED.items()}
 
 
 # --------------------------------------------------------------------------- speed table
@@ -570,7 +425,7 @@ the TurboQuant formats on planar pages (the same bytes per token)."""
 
 
 def evidence_block(records: list[dict], summary: list[dict], log: dict, gpu_id: str, batch: int = 8) -> dict[str, Any]:
-    """The `kernels` measurements of a policy evidence entry (kvpolicy.policy.schema.KernelMeasurement) for one batch."""
+    """The `kernels` measurements of a policy evidence entry (kvpolicy.inputs.policy_schema.KernelMeasurement) for one batch."""
     measurements = []
     used = set()
     for gname, geom in GEOMETRIES.items():
@@ -684,10 +539,7 @@ def accuracy(contexts: list[int], device, log: dict) -> list[dict]:
         "bf16": ("bf16", {}),
         "fp8 2L-on 1-split": ("fp8", dict(two_level=True, num_splits=1)),
         "fp8 2L-off 1-split": ("fp8", dict(two_level=False, num_splits=1)),
-        "fp8 2L-on 1-split wgmma": ("fp8", dict(two_level=True, num_splits=1, config=WGMMA)),
-        "fp8 2L-off 1-split wgmma": ("fp8", dict(two_level=False, num_splits=1, config=WGMMA)),
         "fp8 2L-on": ("fp8", dict(two_level=True)),
-        "fp8 2L-off wgmma": ("fp8", dict(two_level=False, config=WGMMA)),
         "fp8_q8 2L-on": ("fp8_q8", dict(two_level=True)),
         **(GLUON_VARIANTS if gluon_rows_apply(device) else {}),
     }
@@ -730,8 +582,6 @@ def needle(contexts: list[int], device, log: dict, margin: float = 13.5, batch: 
     variants = {
         "bf16": ("bf16", {}),
         "fp8 2L-on": ("fp8", dict(two_level=True)),
-        "fp8 2L-on 1-split wgmma": ("fp8", dict(two_level=True, num_splits=1, config=WGMMA)),
-        "fp8 2L-off 1-split wgmma": ("fp8", dict(two_level=False, num_splits=1, config=WGMMA)),
         "fp8 2L-off 1-split": ("fp8", dict(two_level=False, num_splits=1)),
         "fp8_q8 2L-on": ("fp8_q8", dict(two_level=True)),
         **(GLUON_VARIANTS if gluon_rows_apply(device) else {}),
@@ -825,6 +675,35 @@ def print_table(records: list[dict], summary: list[dict], target_lines: list[str
             print("- " + line)
 
 
+def print_comparison(old: dict, new: dict, names: list[str], slope_from: int = 0) -> list[dict]:
+    """Per (geometry, batch, column) of both runs: slope ns/token and slope / cuDNN BF16 of each (fitted over the
+    contexts >= `slope_from`), and new / old. Prints the table (and a line per column past 3%); returns its rows."""
+    fits = []
+    for run in (old, new):
+        speed = [r for r in run["speed"] if r["context"] >= slope_from]
+        fits.append({(s["geometry"], s["batch"], s["column"]): s for s in summarise(speed, {})})
+    ctxs = sorted({r["context"] for r in new["speed"] if r["context"] >= slope_from})
+    print(f"# slopes over {ctxs[0]}-{ctxs[-1]} tokens: old = {names[0]} (commit {old.get('commit')}), "
+          f"new = {names[1]} (commit {new.get('commit')}); {new.get('gpu')}")
+    print("| layer | batch | column | old ns/token (x cuDNN) | new ns/token (x cuDNN) | new / old | of the x cuDNN |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for key in sorted(set(fits[0]) & set(fits[1])):
+        a, b = fits[0][key], fits[1][key]
+        ratio = b["slope_ns_per_token"] / a["slope_ns_per_token"]
+        cudnn = [s.get("slope_ratio_vs_sdpa_cudnn") for s in (a, b)]
+        cells = [f"{s['slope_ns_per_token']:.3f}" + (f" ({c:.3f}x)" if c is not None else "") for s, c in zip((a, b), cudnn)]
+        norm = f"{cudnn[1] / cudnn[0]:.3f}" if None not in cudnn else "-"
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {cells[0]} | {cells[1]} | {ratio:.3f} | {norm} |")
+        rows.append(dict(geometry=key[0], batch=key[1], column=key[2], old=a["slope_ns_per_token"],
+                         new=b["slope_ns_per_token"], ratio=ratio))
+    worst = [r for r in rows if r["column"] != "sdpa_cudnn" and abs(r["ratio"] - 1) > 0.03]
+    for r in worst:
+        print(f"- {r['geometry']} b={r['batch']} {r['column']}: new slope {r['ratio']:.3f}x the old (outside 3%)")
+    print(f"{len(rows) - len(worst)} of {len(rows)} slopes within 3% of the old run's")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 3 contexts, batch 8, short accuracy")
@@ -832,16 +711,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default=None, help="comma list of context lengths")
     p.add_argument("--batch", default=None, help="comma list of batch sizes")
     p.add_argument("--geometries", default=",".join(GEOMETRIES), help="comma list of " + ", ".join(GEOMETRIES))
-    p.add_argument("--tune", action="store_true", help="pick tile/split configs on this GPU before the table")
-    p.add_argument("--min-tokens-per-split", type=int, default=None,
-                   help="override the default configs' shortest split (bf16/fp8 rows)")
     p.add_argument("--evidence", default=None, metavar="PATH",
                    help="also write the batch-8 fits as a policy evidence `kernels` block (YAML) for kvpolicy recommend")
     p.add_argument("--skip-accuracy", action="store_true", help="skip the accuracy and needle sections")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/bench_decode.json when $OUT is set)")
     p.add_argument("--reprint", default=None, metavar="JSON",
                    help="no GPU: re-derive fits, targets and tables from a saved run's JSON and print them")
+    p.add_argument("--compare", nargs=2, default=None, metavar=("OLD", "NEW"),
+                   help="no GPU: each column's slope in two saved runs (vs cuDNN BF16 of the same run) and their ratio")
+    p.add_argument("--slope-from", type=int, default=0,
+                   help="with --compare: fit the slopes over contexts from this many tokens on")
     args = p.parse_args(argv)
+    if args.compare:
+        runs = []
+        for path in args.compare:
+            with open(path) as fh:
+                runs.append(json.load(fh))
+        print_comparison(*runs, args.compare, args.slope_from)
+        return 0
     if args.reprint:
         with open(args.reprint) as fh:
             saved = json.load(fh)
@@ -851,8 +738,6 @@ def main(argv: list[str] | None = None) -> int:
         print_table(saved["speed"], summary, targets(saved["speed"], summary, saved), saved.get("accuracy", []),
                     saved.get("needle", []))
         return 0
-    global MIN_TOKENS_PER_SPLIT
-    MIN_TOKENS_PER_SPLIT = args.min_tokens_per_split
     args.formats = [f for f in args.formats.split(",") if f]
     unknown = [f for f in args.formats if f not in FORMATS and f not in SDPA_COLUMNS]
     if unknown:
@@ -883,9 +768,6 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(log, fh, indent=1)
 
     print(f"# bench_decode {log['date']} on {log['gpu']} (torch {log['torch']}, triton {log['triton']}, commit {log['commit']})", flush=True)
-    if args.tune:
-        tune(device, log, args.formats)
-        save()
     if any(f.startswith("turboquant_") for f in args.formats):
         log["copy_bandwidth"] = copy_bandwidth(device)
         print(f"# copy bandwidth: {log['copy_bandwidth']['read_plus_write_tbps']:.2f} TB/s read+write", flush=True)
@@ -894,8 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     target_lines = targets(records, summary, log)
     save()
     if args.evidence:
-        from kvpolicy.catalog import resolve_gpu
-        from kvpolicy.yamlio import dump_roundtrip
+        from kvpolicy.inputs.catalog import resolve_gpu
+        from kvpolicy.inputs.yamlio import dump_roundtrip
 
         block = evidence_block(records, summary, log, resolve_gpu(torch.cuda.get_device_name()).id)
         with open(args.evidence, "w") as fh:

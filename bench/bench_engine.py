@@ -13,11 +13,12 @@ import argparse
 import itertools
 import time
 
-from kvpolicy.catalog import load_gpus, load_models
-from kvpolicy.facts import build_facts
-from kvpolicy.policy.engine import decide
-from kvpolicy.policy.loader import load_policy
-from kvpolicy.recommend import make_workload, recommend
+from kvpolicy.inputs.catalog import load_gpus, load_models
+from kvpolicy.facts.build import build_facts
+from kvpolicy.rules.engine import decide
+from kvpolicy.rules.validate import load_policy
+from kvpolicy.inputs.workload import make_workload
+from kvpolicy.outputs.recommend import recommend
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ HOST = "127.0.0.1"  # loopback only, by design: never point this at another mach
 
 def requests_mix() -> list[bytes]:
     """Varied, valid /v1/recommend bodies: catalog models x GPUs x contexts x priorities."""
-    from kvpolicy.catalog import load_models
+    from kvpolicy.inputs.catalog import load_models
 
     models = list(load_models())
     gpus = ["h100", "h200", "b200", "a100", "l40s", "mi300x"]

@@ -1,11 +1,13 @@
-"""bench/bench_decode.py without a GPU: the measured crossover and `--reprint` of a recorded run.
+"""bench/bench_decode.py without a GPU: the measured crossover, `--reprint` of a recorded run, and `--compare`.
 
-RESULTS.md's decode tables are re-derived from the JSON of the run with `--reprint`; these tests
-keep that path and the crossover it reports honest.
+RESULTS.md's decode tables are re-derived from the JSON of the run with `--reprint`, and the device's A/B mode
+judges a kernel change by `--compare`; these tests keep both paths and the crossover they report honest.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,15 +35,36 @@ def test_measured_crossover_is_where_the_variant_stays_ahead():
     assert bench_decode.measured_crossover(_rows({"bf16": [10, 20, 40, 80], "fp8": [9, 19, 39, 81]}), "bf16", "fp8") is None
 
 
+RUN = BENCH / "results_decode_h200_evidence_tq30.json"
+"""The evidence run the policy cites (batch 8) and RESULTS.md's batch-8 tables come from."""
+
+
 def test_reprint_rederives_the_recorded_run_without_a_gpu():
-    run = BENCH / "results_decode_h200_full_0850.json"
-    out = subprocess.run([sys.executable, str(BENCH / "bench_decode.py"), "--reprint", str(run)],
+    out = subprocess.run([sys.executable, str(BENCH / "bench_decode.py"), "--reprint", str(RUN)],
                          capture_output=True, text=True, check=True).stdout
-    assert "re-derived from" in out and "commit 09d1bb5" in out
-    # the 128k Llama batch-8 FP8 cell and its verdict line, as RESULTS.md quotes them
-    assert "| 131072 | 976.8 (4.40) | 633.8 (3.39) |" in out
-    assert "llama-3.1-8b b=8 fp8: 3.39 TB/s of KV at 128k (target >= 3.8) MISSED" in out
-    assert "llama-3.1-8b b=8 fp8: break-even vs our BF16 0 tokens (target < 2048) MET; measured: as fast or faster from 1024 tokens on" in out
+    assert "re-derived from" in out and "commit e693736" in out
+    # the 128k Llama batch-8 cells of BF16, FP8 and the Gluon FP8 kernel, and two verdicts, as RESULTS.md quotes them
+    assert "| 131072 | 974.2 (4.41) | 630.7 (3.40) | 507.6 (4.23) |" in out
+    assert "llama-3.1-8b b=8 fp8: 3.40 TB/s of KV at 128k (target >= 3.8) MISSED" in out
+    assert "llama-3.1-8b b=8 fp8_gl: slope 0.529x cuDNN BF16 (target <= 0.55) MET" in out
+
+
+def test_compare_flags_a_slope_that_moved_more_than_3_percent(capsys):
+    """The A/B table: a run against itself is within 3% everywhere; a copy whose 3bit_nc Gluon row takes 5%
+    longer from 64k on is flagged, and only that row."""
+    run = json.loads(RUN.read_text())
+    rows = bench_decode.print_comparison(run, run, ["a", "a"], slope_from=65536)
+    assert rows and all(r["ratio"] == 1.0 for r in rows)
+    assert "24 of 24 slopes within 3%" in capsys.readouterr().out
+    slower = copy.deepcopy(run)
+    for r in slower["speed"]:
+        if r["column"] == "turboquant_3bit_nc_gl" and r["geometry"] == "llama-3.1-8b" and r["context"] == 131072:
+            r["us"] *= 1.05
+    rows = bench_decode.print_comparison(run, slower, ["old", "new"], slope_from=65536)
+    out = capsys.readouterr().out
+    moved = [r for r in rows if abs(r["ratio"] - 1) > 0.03]
+    assert [(r["geometry"], r["column"]) for r in moved] == [("llama-3.1-8b", "turboquant_3bit_nc_gl")]
+    assert "llama-3.1-8b b=8 turboquant_3bit_nc_gl: new slope" in out and "23 of 24 slopes within 3%" in out
 
 
 def test_evidence_takes_fp8_from_the_fastest_kernel_and_says_so():

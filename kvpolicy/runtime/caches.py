@@ -85,9 +85,9 @@ class LayerPlan:
         if self.fmt is not None and self.fmt.kind == "turboquant":
             if gluon:
                 # Hopper: TurboQuant layers read a planar cache with the Gluon kernel (what it takes is its own to say)
-                from kvpolicy.kernels import tq_gluon as tg
+                from kvpolicy.kernels.tq_decode import gluon_refusal
 
-                if not tg.refusal(self.fmt.name, self.head_dim, self.num_q_heads // self.num_kv_heads, BLOCK_SIZE):
+                if not gluon_refusal(self.fmt.name, self.head_dim, self.num_q_heads // self.num_kv_heads, BLOCK_SIZE):
                     return "gluon"
             return "triton"
         if self.head_dim not in KERNEL_HEAD_DIMS:
@@ -104,14 +104,14 @@ class LayerPlan:
 def _gluon_on(device: Any) -> bool:
     if device.type != "cuda":
         return False  # before importing the kernels: the CPU runtime needs no Triton
-    from kvpolicy.kernels.decode_attention import gluon_runs_on
+    from kvpolicy.kernels.launch import gluon_runs_on
 
     return gluon_runs_on(device)[0]
 
 
 def gluon_available(device: Any) -> bool:
     """Whether FP8 and TurboQuant layers decode with the Gluon kernels here: an sm_90 GPU, a Triton with its Gluon API
-    (`decode_attention.gluon_runs_on`), and `KVPOLICY_GLUON` not set to 0."""
+    (`launch.gluon_runs_on`), and `KVPOLICY_GLUON` not set to 0."""
     return os.environ.get("KVPOLICY_GLUON", "1") != "0" and _gluon_on(device)
 
 

@@ -4,9 +4,9 @@ This is where a layer plan becomes kernel calls. The kernels take tensors, a
 cache layout and switches; which switch a layer gets (format, window, sinks,
 two-level, scales) comes from its plan and the variant, never from a policy.
 `backend` is `triton` (CUDA) or `reference` (float64 torch, any device).
-On a Hopper GPU, FP8 layers decode with the Gluon kernel (kernels/decode_gluon.py,
+On a Hopper GPU, FP8 layers decode with the Gluon kernel (kvpolicy/kernels/decode_gluon.py,
 e4m3 query as in vLLM's FA3 FP8 path), and TurboQuant layers with the
-Gluon TurboQuant kernel on planar caches (kernels/tq_gluon.py); `KVPOLICY_GLUON=0`
+Gluon TurboQuant kernels on planar caches (kvpolicy/kernels/tq_gluon.py, tq_warp.py); `KVPOLICY_GLUON=0`
 keeps them on Triton.
 Layers the BF16/FP8 kernel does not take (an MLA latent of 576 dims, head dims
 above 256) run the reference on every backend; `LayerPlan.kernel_path` says

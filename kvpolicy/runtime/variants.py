@@ -126,7 +126,7 @@ def cache_layout(decision: Decision, generation: str) -> str:
 
     vLLM's FlashInfer backend requires head-major pages (HND) on Blackwell, for its TRT-LLM
     kernels; the other backends kvpolicy selects (FLASH_ATTN, TRITON_ATTN) keep vLLM's default
-    NHD. The layout changes what the kernels read per page (bench/NOTES.md v7: FP8 on a head_dim
+    NHD. The layout changes what the kernels read per page (bench/KERNELS.md: FP8 on a head_dim
     64 layer reads 23% faster from HND pages), so the runtime measures the one vLLM would use.
     """
     return "HND" if decision.attention_backend == "FLASHINFER" and generation == "blackwell" else "NHD"

@@ -31,9 +31,6 @@ TOL_BF16 = 1e-5 if INTERPRET else 1e-2
 TOL_FP8 = 1e-2
 TOL_FP8_QUERY = 3e-2
 
-SWAPPED = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=True, programs_per_sm=1.0, min_tokens_per_split=64)
-# Two sub-tiles of 64 per iteration, standard orientation.
-PAIRED = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=1.0, min_tokens_per_split=64, num_sub=2)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -109,10 +106,10 @@ SEQ_LENS = [1, 37, 300]  # one token; partly filled last block; several tiles
 SINKS = object()  # marker: draw sinks for the case
 
 
-# The softmax denominator kept per position and summed after the loop.
-DEFERRED = DecodeConfig(block_n=64, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=1.0, min_tokens_per_split=64,
-                        defer_sum=True)
-CONFIGS = {"default": None, "swapped": SWAPPED, "paired": PAIRED, "deferred": DEFERRED}
+# The softmax denominator kept per position and summed after the loop (the GPU default for FP8 and for BF16
+# at head_dim 64), on 64-token tiles.
+DEFERRED = DecodeConfig(block_n=64, num_stages=2, defer_sum=True)
+CONFIGS = {"default": None, "deferred": DEFERRED}
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -127,7 +124,7 @@ def test_bf16_matches_reference(device: str, head_dim: int, config: str, window,
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("config", ["default", "swapped", "deferred"])
+@pytest.mark.parametrize("config", ["default", "deferred"])
 def test_fp8_matches_reference(device: str, head_dim: int, per_head: bool, config: str) -> None:
     case = make_case(device, SEQ_LENS, 16, 2, head_dim, "fp8", per_head=per_head, value_offset=1.0)
     sinks = torch.randn(16, device=device)
@@ -240,12 +237,9 @@ def test_gpu_realistic_shapes(device: str, fmt: str, geometry: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "swapped"])
+@pytest.mark.parametrize("config", ["default"])
 def test_gpu_two_level_bounds_long_context_error(device: str, config: str) -> None:
-    """Positive-weighted P.V over 128k positions in one split: two-level keeps the error flat.
-
-    "swapped" runs P.V as an fp8 wgmma, the form whose in-MMA accumulation is short of fp32.
-    """
+    """Positive-weighted P.V over 128k positions in one split: two-level keeps the error flat."""
     errs = {}
     for n in (4096, 131072):
         case = make_case(device, [n], 8, 1, 128, "fp8", per_head=True, value_offset=1.0)
@@ -261,13 +255,9 @@ def test_gpu_two_level_bounds_long_context_error(device: str, config: str) -> No
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
-def test_gpu_chained_calls_see_each_others_writes(device: str, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each call's query is the previous call's output (written by its merge kernel), eagerly and in a CUDA graph.
-
-    With programmatic dependent launch (KVPOLICY_PDL=1) a kernel may be scheduled before its
-    predecessor finishes; a missing wait would read a NaN-filled output buffer. The result
-    must be bit-identical to launching without PDL.
-    """
+def test_gpu_chained_calls_see_each_others_writes(device: str, fmt: str) -> None:
+    """Each call's query is the previous call's output (written by its merge kernel), eagerly and in a CUDA graph:
+    the replay must be bit-identical to the eager calls, and no output left unwritten (NaN-filled)."""
     case = make_case(device, [3000, 9001], 32, 8, 128, fmt, per_head=True if fmt == "fp8" else None,
                      value_offset=1.0 if fmt == "fp8" else 0.0)
     case["query"] = case["query"] * 0.05
@@ -281,38 +271,33 @@ def test_gpu_chained_calls_see_each_others_writes(device: str, fmt: str, monkeyp
     def fresh() -> list[torch.Tensor]:
         return [torch.full_like(case["query"], float("nan")) for _ in range(8)]
 
-    results = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("KVPOLICY_PDL", mode)
-        eager = chain(fresh())
-        outs = fresh()
-        chain(outs)  # compile and warm up outside the capture
-        for o in outs:
-            o.fill_(float("nan"))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            last = chain(outs)
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not eager.isnan().any() and not last.isnan().any()
-        results[mode] = (eager, last.clone())
-    assert torch.equal(results["1"][0], results["0"][0])
-    assert torch.equal(results["1"][1], results["0"][0])
+    eager = chain(fresh())
+    outs = fresh()
+    chain(outs)  # compile and warm up outside the capture
+    for o in outs:
+        o.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        last = chain(outs)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not eager.isnan().any() and not last.isnan().any()
+    assert torch.equal(last, eager)
 
 
 def test_split_count_fills_whole_waves(monkeypatch: pytest.MonkeyPatch) -> None:
     """The split heuristic, on a 132-SM GPU: one full wave of resident programs, long splits when there is work
     to spare, one-tile splits only when the GPU would otherwise idle, more waves only for very long contexts."""
-    import kvpolicy.kernels.decode_attention as da
+    import kvpolicy.kernels.launch as launch
 
-    monkeypatch.setattr(da, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(launch, "_num_sms", lambda index: 132)
     gpu = torch.device("cuda", 0)
-    fp8 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, swap_ab=False, programs_per_sm=4.0)
 
-    def splits(batch: int, context: int, cfg: DecodeConfig = fp8) -> int:
-        return da.choose_num_splits(batch, 8, context, cfg, gpu)
+    def splits(batch: int, context: int, tile: int = 64, per_sm: float = 4.0) -> int:
+        """The FP8 default: 64-token tiles, 4 programs per SM."""
+        return launch.split_count(batch, 8, context, tile, per_sm, gpu)
 
     # batch 8 x 8 KV heads: 8 splits = 512 programs, one wave of 4 x 132 = 528 (not 33 splits = 4 waves)
     assert [splits(8, n) for n in (2048, 4096, 8192, 32768)] == [8, 8, 8, 8]
@@ -325,32 +310,27 @@ def test_split_count_fills_whole_waves(monkeypatch: pytest.MonkeyPatch) -> None:
     # long contexts: 2 or 4 whole waves of >= 64-tile splits (1024 programs = 97% of 2 x 528; 2048 = 3.9 waves)
     assert splits(8, 65536) == 16
     assert splits(8, 131072) == 32
-    bf16 = DecodeConfig(block_n=128, num_warps=4, num_stages=2, swap_ab=False, programs_per_sm=3.0)
-    assert splits(8, 131072, bf16) == 4  # 8 or 16 would be 1.3 or 2.6 waves of 396: a part-empty last wave
-    # a split floor and the 128 cap hold
-    assert splits(1, 4096, DecodeConfig(64, 4, 3, False, 4.0, min_tokens_per_split=1024)) == 4
-    assert da.choose_num_splits(1, 1, 1 << 20, fp8, gpu) <= 128
+    assert splits(8, 131072, 128, 3.0) == 4  # BF16: 8 or 16 would be 1.3 or 2.6 waves of 396: a part-empty last wave
+    # the 128 cap holds
+    assert launch.split_count(1, 1, 1 << 20, 64, 4.0, gpu) <= 128
     # more sequences than a wave holds: no splitting
     assert splits(128, 32768) == 1
     # without extra waves (the Gluon kernel: 2 programs per SM, 128-token tiles) one wave at every length:
     # the split counts its H200 sweep found best (4 at batch 8, 32 at batch 1)
-    assert [da.split_count(8, 8, n, 128, 2.0, gpu, waves=()) for n in (16384, 131072)] == [4, 4]
-    assert [da.split_count(1, 8, n, 128, 2.0, gpu, waves=()) for n in (16384, 131072)] == [32, 32]
-    # the TurboQuant per-warp kernel (4 programs per SM, 64-token tiles): a second wave only once each split
-    # keeps 128 tiles (at 64k, 16 splits of 64 tiles were slower than 8 on the H200; at 128k faster)
-    per_warp = [da.split_count(8, 8, n, 64, 4.0, gpu, waves=(2,), wave_tiles=128) for n in (65536, 131072)]
-    assert per_warp == [8, 16]
-    assert [da.split_count(8, 8, n, 64, 4.0, gpu, waves=(2,)) for n in (65536, 131072)] == [16, 16]
+    assert [launch.split_count(8, 8, n, 128, 2.0, gpu, waves=()) for n in (16384, 131072)] == [4, 4]
+    assert [launch.split_count(1, 8, n, 128, 2.0, gpu, waves=()) for n in (16384, 131072)] == [32, 32]
+    # a second wave only once each split keeps 64 tiles
+    assert [launch.split_count(8, 8, n, 64, 4.0, gpu, waves=(2,)) for n in (32768, 65536, 131072)] == [8, 16, 16]
     # the TurboQuant kernels' pow2_fill 0.85: at 5 programs per SM (k8v4, head_dim 64) a power of two would fill
     # 512 of 660 slots, so the wave takes the largest count that fits (10 at batch 8, 82 at batch 1); at 2 per
     # SM, 256 of 264 is full enough and stays (4 and 32); short contexts keep the tile floor (batch 1, 4k: 32
     # two-tile splits); without pow2_fill nothing changes
     def tq(batch: int, context: int, tile: int, per_sm: float) -> int:
-        return da.split_count(batch, 8, context, tile, per_sm, gpu, waves=(), pow2_fill=0.85)
+        return launch.split_count(batch, 8, context, tile, per_sm, gpu, waves=(), pow2_fill=0.85)
 
     assert [tq(8, 131072, 64, 5.0), tq(1, 131072, 64, 5.0), tq(1, 4096, 64, 5.0)] == [10, 82, 32]
     assert [tq(8, 131072, 256, 2.0), tq(1, 131072, 256, 2.0)] == [4, 32]
-    assert [da.split_count(b, 8, 131072, 64, 5.0, gpu, waves=()) for b in (8, 1)] == [8, 64]
+    assert [launch.split_count(b, 8, 131072, 64, 5.0, gpu, waves=()) for b in (8, 1)] == [8, 64]
 
 
 def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -360,13 +340,13 @@ def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> No
 
     import kvpolicy.kernels.decode_attention as da
 
-    monkeypatch.setattr(da, "_interpreting", lambda: False)
+    monkeypatch.setattr(da, "interpreting", lambda: False)
     gpu = torch.device("cuda", 0)
 
     def wave(smem_per_sm: int, head_dim: int, fp8: bool) -> float:
         props = SimpleNamespace(shared_memory_per_multiprocessor=smem_per_sm, max_threads_per_multi_processor=2048)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-        return da.default_config(head_dim, fp8, gpu).programs_per_sm
+        return da.programs_per_sm(head_dim, fp8, gpu)
 
     hopper, ampere, ada = 233472, 167936, 102400
     assert [wave(hopper, 128, True), wave(hopper, 64, True), wave(hopper, 128, False), wave(hopper, 64, False)] == [4, 4, 3, 3]
@@ -376,7 +356,7 @@ def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_gluon_residency_counts_the_padded_producer_warpgroup(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon kernel launches 8 warps (its one producer warp padded to a warpgroup): at 128 registers two
-    programs fit an SM's 64K registers, whatever shared memory allows; at 80, three where memory holds them."""
+    programs fit an SM's 64K registers, whatever shared memory allows."""
     from types import SimpleNamespace
 
     decode_gluon = pytest.importorskip("kvpolicy.kernels.decode_gluon", reason="this Triton has no Gluon API")
@@ -384,7 +364,4 @@ def test_gluon_residency_counts_the_padded_producer_warpgroup(monkeypatch: pytes
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     gpu = torch.device("cuda", 0)
     for head_dim in (64, 128):
-        assert decode_gluon.programs_per_sm(head_dim, gpu, decode_gluon.default_gluon_config(head_dim)) == 2
-    lean = decode_gluon.GluonConfig(block_n=128, stages=3, maxnreg=80)
-    assert decode_gluon.programs_per_sm(64, gpu, lean) == 3  # 68 KB of shared memory each
-    assert decode_gluon.programs_per_sm(128, gpu, lean) == 1  # 135 KB each
+        assert decode_gluon.programs_per_sm(head_dim, gpu) == 2

@@ -1,4 +1,4 @@
-"""The Gluon decode kernel (kernels/decode_gluon.py) against the float64 reference, on a Hopper GPU.
+"""The Gluon decode kernel (kvpolicy/kernels/decode_gluon.py) against the float64 reference, on a Hopper GPU.
 
 Gluon does not run under the Triton interpreter, so these tests need the GPU; on the CPU only the
 routing is checked: `kernel="auto"` falls back to the Triton kernel and `kernel="gluon"` says why not.
@@ -32,15 +32,9 @@ def run_gluon(case: dict, **kwargs) -> float:
 @pytest.mark.parametrize("head_dim, q_heads", [(128, 32), (64, 64), (128, 8), (64, 16)])
 @pytest.mark.parametrize("window, sinks, num_splits", [(None, None, 1), (None, SINKS, 3), (48, SINKS, 1),
                                                        (200, None, 2), (None, None, None)])
-@pytest.mark.parametrize("tile", [64, 128])
 def test_gluon_matches_reference(device: str, layout: str, head_dim: int, q_heads: int, window, sinks,
-                                 num_splits, tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GQA 1-8, one-token and partly filled sequences, windows, sinks, forced and default splits,
-    both tile sizes."""
-    from kvpolicy.kernels import decode_gluon
-
-    monkeypatch.setattr(decode_gluon, "default_gluon_config",
-                        lambda head_dim: decode_gluon.GluonConfig(block_n=tile, stages=4 if tile == 64 else 2))
+                                 num_splits) -> None:
+    """GQA 1-8, one-token and partly filled sequences, windows, sinks, forced and default splits."""
     case = make_case(device, [1, 37, 300, 1025], q_heads, 8, head_dim, "fp8", per_head=True, value_offset=1.0,
                      layout=layout)
     sinks_t = torch.randn(q_heads, device=device) if sinks is SINKS else None

@@ -19,7 +19,8 @@ from kvpolicy.kernels.tq_reference import (
     store_kv_ref,
 )
 from kvpolicy.kernels.tq_store import store_kv_tq
-from kvpolicy.kernels.turboquant import TQ_FORMATS, allocate_tq_cache, planar_from_slots
+from kvpolicy.kernels.formats import TQ_FORMATS
+from kvpolicy.kernels.turboquant import allocate_tq_cache, planar_from_slots
 
 
 def _paged(fmt, key, value, seq_lens, block_size, device, use_kernel=False, max_blocks=None):
@@ -117,11 +118,11 @@ def test_decode_sliding_window_and_short_sequences(fmt: str, device: str) -> Non
     assert _rel(out, ref) < TOL_SAME_CACHE
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_decode_tile_smaller_than_page(prefetch: bool, device: str) -> None:
-    """BLOCK_N below the page size (tiles inside one page), MHA (group of 1), both load schedules."""
-    out, ref, _ = _run("turboquant_4bit_nc", device, hq=2, hkv=2, seq=(130, 64), block_size=64, block_n=16, splits=2,
-                       prefetch=prefetch)
+@pytest.mark.parametrize("fmt, block_size", [("turboquant_4bit_nc", 128), ("turboquant_k8v4", 256)])
+def test_decode_tile_smaller_than_page(fmt: str, block_size: int, device: str) -> None:
+    """Pages larger than the default tile (64 tokens for 4bit_nc, 128 with the register prefetch for k8v4):
+    tiles inside one page, MHA (group of 1)."""
+    out, ref, _ = _run(fmt, device, hq=2, hkv=2, seq=(300, 64), block_size=block_size, splits=2)
     assert _rel(out, ref) < TOL_SAME_CACHE
 
 
@@ -193,8 +194,6 @@ def test_decode_rejects_bad_inputs(device: str) -> None:
         decode_attention_tq(torch.randn(1, 3, 64, device=device), cache, bt, sl, fmt)
     with pytest.raises(ValueError, match="cache"):
         decode_attention_tq(q, cache[..., :-2], bt, sl, fmt)
-    with pytest.raises(ValueError, match="block_n"):
-        decode_attention_tq(q, cache, bt, sl, fmt, block_n=24)
     with pytest.raises(ValueError, match="sinks"):
         decode_attention_tq(q, cache, bt, sl, fmt, sinks=torch.zeros(3, device=device))
 
@@ -205,10 +204,9 @@ def test_decode_rejects_bad_inputs(device: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", TQ_FORMATS)
 def test_gpu_asm_path_matches_reference(fmt: str) -> None:
-    """PTX unpackers on a real GPU, bf16 query, larger shapes, several tilings; both paths agree."""
-    for kw in (dict(block_n=64, prefetch=True), dict(block_n=16, num_warps=2, prefetch=False)):
-        out, ref, _ = _run(fmt, "cuda", bsz=3, hq=32, hkv=8, seq=(1000, 333, 2049), splits=5, sinks=True,
-                           window=1500, **kw)
+    """PTX unpackers on a real GPU, bf16 query, larger shapes, with and without a window and sinks."""
+    for kw in (dict(sinks=True, window=1500), dict(sinks=False, window=None)):
+        out, ref, _ = _run(fmt, "cuda", bsz=3, hq=32, hkv=8, seq=(1000, 333, 2049), splits=5, **kw)
         assert _rel(out, ref) < TOL_SAME_CACHE, f"{fmt} {kw}: {_rel(out, ref):.2e}"
 
 

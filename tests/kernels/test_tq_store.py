@@ -16,12 +16,11 @@ from kvpolicy.kernels.tq_reference import (
     unpack_slots_ref,
 )
 from kvpolicy.kernels.tq_store import store_kv_tq
+from kvpolicy.kernels.formats import TQ_FORMATS, tq_layout
 from kvpolicy.kernels.turboquant import (
-    TQ_FORMATS,
     allocate_tq_cache,
     hadamard_rotation,
     lloyd_max_codebook,
-    tq_layout,
 )
 
 POISON = 0xAB

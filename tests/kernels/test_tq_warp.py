@@ -5,7 +5,6 @@ must hold; the kernel itself is tested on the GPU (test_tq_gluon.py -k per_warp)
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -14,6 +13,7 @@ from kvpolicy.kernels.tq_reference import _pack_codes, emulate_ptx
 from kvpolicy.kernels.tq_warp import (
     block_layout,
     call_weights,
+    layouts,
     dim_of_row,
     pages_per_warp,
     rotation_operand,
@@ -183,29 +183,22 @@ def test_block_layout_gives_each_thread_one_vector_per_page(words: int, block_n:
     assert torch.equal(own[..., 4], reg % words) and torch.equal(own[..., 1], reg // words)
 
 
-def test_mma_sums_refuses_one_page_per_warp() -> None:
-    """`TQGluonConfig.mma_sums` pairs a warp's pages (a page's two halves are the sums MMA's two row blocks, two
-    pages its 16 columns), so a 64-token tile (one page per warp) is refused with the tiles that work, before
-    anything is launched."""
-    from kvpolicy.kernels.tq_gluon import TQGluonConfig
-    from kvpolicy.kernels.tq_warp import decode_tq_warp
-
-    q = torch.zeros(1, 8, 64)
-    cfg = TQGluonConfig(block_n=64, per_warp=True, mma_sums=True)
+def test_layouts_refuse_one_page_per_warp() -> None:
+    """The sums MMA pairs a warp's pages (a page's two halves are its two row blocks, two pages its 16 columns),
+    so a 64-token tile (one page per warp) is refused, with the tiles that work."""
     with pytest.raises(ValueError, match="block_n 128 or 256"):
-        decode_tq_warp(q, q, 1.0, torch.zeros(1, 1, 16, dtype=torch.uint8), "turboquant_4bit_nc",
-                       torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), sliding_window=None,
-                       sinks=None, splits=1, out=torch.zeros_like(q), cfg=cfg)
+        layouts(32, 64, 4, 64)
+    assert layouts(32, 64, 4, 256)["BN"] == 256
 
 
 @pytest.mark.parametrize("fmt", ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_rotation_operand_gives_the_rotated_query_in_the_score_order(fmt: str, d: int) -> None:
     """`_rotated_query` computes q @ rotation_operand^T: that must be the rotation kernel's product
-    (q @ Pi^T sqrt(D)) with its coordinates in the score MMA's K order (`query_order`), which the kernel's
-    query bytes and the key operand share; the rotation's entries stay exactly +-1 in fp16."""
-    from kvpolicy.kernels.tq_gluon import query_order
+    (q @ Pi^T sqrt(D)) with its coordinates in the score MMA's K order (`int8_operand_order`), which the
+    kernel's query bytes and the key operand share; the rotation's entries stay exactly +-1 in fp16."""
     from kvpolicy.kernels.turboquant import hadamard_rotation
+    from kvpolicy.kernels.turboquant import int8_operand_order as query_order
 
     op = rotation_operand(fmt, d, "cpu")
     assert op.dtype == torch.float16 and op.is_contiguous() and set(op.unique().tolist()) == {-1.0, 1.0}
@@ -220,7 +213,7 @@ def test_rotation_operand_gives_the_rotated_query_in_the_score_order(fmt: str, d
 @pytest.mark.parametrize("weight", [1.0625, 1.25, 2.0])
 def test_weighted_tiles_cut_each_group_whole_and_favour_the_first_wave(n: int, splits: int, groups: int,
                                                                        num_sms: int, weight: float) -> None:
-    """`first_wave_weight`'s split ranges (`weighted_tiles`, the host copy of the kernel's `_weighted_tiles`): in
+    """The first-wave weight's split ranges (`weighted_tiles`, the host copy of the kernel's `_weighted_tiles`): in
     every group they tile [first, first + n) in order without gap or overlap; a split whose linear block id
     (group + groups x split) is below the SM count gets its weight's share, the others theirs, each within one
     tile; where every split is in the first wave the cut is even."""
@@ -240,7 +233,7 @@ def test_weighted_tiles_cut_each_group_whole_and_favour_the_first_wave(n: int, s
 def test_split_weights_are_sixteenths_and_one_means_the_plain_grid() -> None:
     assert split_weights(1.0) == (0, 0)
     assert split_weights(1.25) == (20, 16)
-    with pytest.raises(ValueError, match="first_wave_weight"):
+    with pytest.raises(ValueError, match="first-wave weight"):
         split_weights(0.0)
 
 
@@ -257,14 +250,4 @@ def test_default_first_wave_weight_only_where_it_measured_faster(fmt: str, head_
                                                                   want: tuple[int, int]) -> None:
     """The defaults give 3bit_nc's first-wave splits 18/16 of the tiles at batch 8 (64k and 128k: 3.6-4% faster)
     and leave calls of few tiles per split (batch 1) and the other formats on the plain grid."""
-    from kvpolicy.kernels.tq_gluon import default_config
-
-    assert call_weights(default_config(fmt, head_dim), span, splits) == want
-
-
-def test_a_bad_first_wave_weight_is_refused_even_where_it_would_not_apply() -> None:
-    from kvpolicy.kernels.tq_gluon import default_config
-
-    cfg = dataclasses.replace(default_config("turboquant_3bit_nc", 64), first_wave_weight=8.0)
-    with pytest.raises(ValueError, match=r"first_wave_weight must be in \[0.5, 4\], got 8.0"):
-        call_weights(cfg, 4096, 32)
+    assert call_weights(fmt, head_dim, span, splits) == want

@@ -20,15 +20,19 @@ from kvpolicy.kernels.tq_reference import (
     quantize_keys_ref,
     store_kv_ref,
 )
-from kvpolicy.kernels.turboquant import (
-    SUBNORMAL_UNIT,
+from kvpolicy.kernels.formats import (
     SUPPORTED_HEAD_DIMS,
     TQ_FORMATS,
     WARP_ORDER_FORMATS,
-    allocate_tq_cache,
     code_planes,
-    codebook_boundaries,
     field_planes,
+    plane_kinds,
+    tq_layout,
+)
+from kvpolicy.kernels.turboquant import (
+    SUBNORMAL_UNIT,
+    allocate_tq_cache,
+    codebook_boundaries,
     gaussian_mse,
     hadamard_rotation,
     int8_centroid_codebook,
@@ -42,14 +46,12 @@ from kvpolicy.kernels.turboquant import (
     k4_program,
     lloyd_max_codebook,
     planar_from_slots,
-    plane_kinds,
     render_ptx,
     rotation_t_signs,
     sign_magnitude_codebook,
     sign_magnitude_codes,
     slots_from_planar,
     sorted_index,
-    tq_layout,
     warp_plane_order,
     turboquant_mse_bound,
     subnormal_byte_order,

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# GPU runs on the device machine (one H200), from the repository root: bash bench/device.sh OUTDIR MODE
+#   tests     the GPU-marked kernel tests (and the runtime's where kvpolicy's dependencies are there);
+#             TESTS_K: a -k expression
+#   bench     the kernel benchmark, every row and cuDNN/flash in the same run (BENCH_ARGS: bench_decode options)
+#   ab        the kernel benchmark of the tree in .ab/old (git-ignored; carry it) and of this one in the same
+#             call, GPU tests first (-x, AB_TESTS), then the table of every row's slope old vs new
+#             (AB_ROWS, AB_CONTEXTS: the rows and contexts; slopes over AB_CONTEXTS)
+#   runtime   kvpolicy bench --record and verify for both layers, then tests/test_runtime_gpu.py (needs .whl)
+#   evidence  the evidence run (every row, batch 8, --evidence) and the Gluon rows at batch 1 (KVP_COMMIT: the
+#             commit measured)
+# Logs and JSON go to OUTDIR (the device returns at most 8 files). Pure-Python wheels that the device image lacks
+# (pydantic, ruamel.yaml; `pip download` them into the git-ignored .whl/ and carry it) are installed when present.
+set -uo pipefail
+out=${1:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|evidence}
+mode=${2:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|evidence}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+pytest_gpu() {  # LOG ARGS...: GPU-marked tests, quiet, into OUTDIR/LOG; prints the summary
+  local log=$1; shift
+  python3 -m pytest -q -p no:cacheprovider -m gpu "$@" > "$out/$log" 2>&1
+  local rc=$?
+  tail -3 "$out/$log"
+  return $rc
+}
+gl=turboquant_k8v4_gl,turboquant_4bit_nc_gl,turboquant_k3v4_nc_gl,turboquant_3bit_nc_gl
+case $mode in
+tests)
+  targets=(tests/kernels)
+  python3 -c "import pydantic, ruamel.yaml" 2> /dev/null && targets+=(tests/test_runtime_gpu.py)
+  pytest_gpu pytest.log "${targets[@]}" ${TESTS_K:+-k "$TESTS_K"}
+  ;;
+bench)
+  timeout 540 python3 bench/bench_decode.py ${BENCH_ARGS:-} --out "$out/bench_decode.json" > "$out/bench_decode.log" 2>&1
+  sed -n '/^## /,$p' "$out/bench_decode.log"
+  ;;
+ab)
+  old=.ab/old
+  [ -d "$old" ] || { echo "no $old: copy the tree to compare into it first"; exit 2; }
+  # a tree from before kvpolicy/kernels/ (kernels/ installed as kvpolicy.kernels) runs through a link
+  [ -d "$old/kernels" ] && [ ! -e "$old/kvpolicy/kernels" ] && ln -s ../kernels "$old/kvpolicy/kernels"
+  rows=${AB_ROWS:-bf16,fp8,fp8_gl,$gl,sdpa_cudnn}
+  ctx=${AB_CONTEXTS:-32768,65536,131072}
+  k=${AB_TESTS:-"realistic_shapes or agrees_with_triton or store_then_decode or fused_merge_replays or (matches_reference and (None-True-3-128-32 or None-True-3-64-64))"}
+  timeout 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels -k "$k" > "$out/pytest.log" 2>&1
+  echo "tests: $(tail -1 "$out/pytest.log")"
+  args=(--formats "$rows" --contexts "$ctx" --batch 1,8 --skip-accuracy)
+  (cd "$old" && PYTHONPATH="$PWD" timeout 200 python3 bench/bench_decode.py "${args[@]}" --out "$out/ab_old.json") \
+    > "$out/ab_old.log" 2>&1 || echo "old tree's run failed: $(tail -2 "$out/ab_old.log")"
+  timeout 200 python3 bench/bench_decode.py "${args[@]}" --out "$out/ab_new.json" > "$out/ab_new.log" 2>&1 \
+    || echo "this tree's run failed: $(tail -2 "$out/ab_new.log")"
+  python3 bench/bench_decode.py --compare "$out/ab_old.json" "$out/ab_new.json" | tee "$out/ab_table.md"
+  ;;
+runtime)
+  kvp() { python3 -m kvpolicy "$@"; }
+  kvp bench -m llama-3.1-8b --contexts 1k..128k --batch 1 --compare turboquant_4bit_nc \
+      --record "$out/measured-h200.yaml" --out "$out"
+  kvp bench -m gpt-oss-20b --contexts 1k..128k --batch 1 --record "$out/measured-h200.yaml" --out "$out"
+  kvp verify -m llama-3.1-8b --contexts 4k..128k --compare fp8+one_level,turboquant_4bit_nc,turboquant_3bit_nc \
+      --out "$out"
+  kvp verify -m gpt-oss-20b --contexts 4k..128k --compare fp8+one_level --out "$out"
+  for c in 4k 32k; do kvp recommend -m llama-3.1-8b -g auto -c $c --policy "$out/measured-h200.yaml" -f json |
+      python3 -c "import json,sys; r=json.load(sys.stdin); e=r['estimates']; print('$c', r['decision']['kv_cache_dtype'], e['itl_slope_ratio'], e['break_even_tokens'])"; done
+  pytest_gpu pytest_runtime.log -rs tests/test_runtime_gpu.py
+  ;;
+evidence)
+  export KVP_COMMIT=${KVP_COMMIT:-unknown}
+  timeout 360 python3 bench/bench_decode.py \
+      --formats bf16,fp8,fp8_gl,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,$gl,sdpa_cudnn \
+      --contexts 4096,16384,65536,131072 --batch 8 --skip-accuracy --evidence "$out/evidence.yaml" \
+      --out "$out/evidence_b8.json" > "$out/evidence_b8.log" 2>&1
+  timeout 120 python3 bench/bench_decode.py --formats sdpa_cudnn,fp8_gl,$gl --contexts 4096,16384,65536,131072 \
+      --batch 1 --skip-accuracy --out "$out/evidence_b1.json" > "$out/evidence_b1.log" 2>&1
+  grep -h -A14 "slope ns/token" "$out/evidence_b8.log" "$out/evidence_b1.log"
+  ;;
+*)
+  echo "unknown mode $mode: tests, bench, ab, runtime or evidence"; exit 2
+  ;;
+esac

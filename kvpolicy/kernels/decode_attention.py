@@ -1,0 +1,480 @@
+"""Paged decode attention (flash-decoding) over BF16 and FP8 (e4m3) KV caches: the portable Triton kernel, and
+`decode_attention`, the entry point that also routes FP8 calls to the Hopper Gluon kernel (`decode_gluon`).
+
+One program handles one (KV head, split, sequence): the query heads of that KV head (its GQA group) are
+packed into the rows of one tile, so each K/V tile is read from HBM once per group; S = Q.K^T with the
+padded group as M (16 rows, mma.sync). FP8 K is upcast to fp16 for Q.K^T, or the query is quantised to
+e4m3 per program (`fp8_query`); P is rounded to e4m3 (scaled by `P_SCALE` first), as FA3 does, and P.V runs
+in fp16 on those exact values against V converted in registers. Scales fold into the math: k_scale (and the
+query's scale) into the logit scale, v_scale into the output. Figures: bench/RESULTS.md; designs that
+won and lost: bench/KERNELS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpolicy.kernels.formats import FP8_E4M3_MAX
+from kvpolicy.kernels.launch import (
+    LOG2E,
+    interpreting,
+    merge_splits,
+    resident_programs,
+    span,
+    split_count,
+    split_partials,
+)
+from kvpolicy.kernels.paged_store import check_scale, fp8_e4m3_bits
+
+P_SCALE = tl.constexpr(256.0)
+"""Softmax probabilities (<= 1) are multiplied by this before the e4m3 cast, so
+small ones land in e4m3's normal range (>= 2**-6) rather than its coarse subnormals."""
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the Triton kernel; `default_config` picks one."""
+
+    block_n: int
+    """KV positions per tile."""
+    num_stages: int
+    """Software-pipelining depth of the KV loop."""
+    defer_sum: bool = False
+    """Keep the softmax denominator as per-position partial sums and reduce it once after the loop, instead of
+    a cross-warp sum per tile (more registers)."""
+
+
+NUM_WARPS = 4
+# Registers per thread and shared memory per program of the default configs (sm_90 compile): what the split
+# count's wave size is computed from.
+_PROGRAM_SIZE = {(True, 64): (123, 55296), (True, 128): (123, 55296), (False, 64): (140, 71680),
+                 (False, 128): (130, 73984)}
+
+
+def default_config(head_dim: int, kv_fp8: bool, device: torch.device) -> DecodeConfig:
+    """The tiling for a head_dim and cache format: what measured fastest on an H200; few, large tiles under the
+    interpreter (it runs programs one after another in numpy)."""
+    if device.type != "cuda" or interpreting():
+        return DecodeConfig(block_n=128, num_stages=1)
+    # Triton gives each K/V load one buffer, so a program has one tile in flight: block_n x head_dim holds
+    # 16K elements at every head_dim (the size that reached the memory floor at head_dim 128).
+    block_n = max(32, min(256, 16384 // head_dim))
+    if kv_fp8:
+        # latency-bound: half the tile, three stages, the denominator summed once after the loop
+        return DecodeConfig(block_n=max(32, block_n // 2), num_stages=3, defer_sum=True)
+    if head_dim <= 64:
+        return DecodeConfig(block_n=block_n // 2, num_stages=3, defer_sum=True)
+    return DecodeConfig(block_n=block_n, num_stages=2)
+
+
+def programs_per_sm(head_dim: int, kv_fp8: bool, device: torch.device) -> int:
+    """Programs of the default config resident per SM (on an H200: 4 for FP8, 3 for BF16); 1 off the GPU."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    regs, smem = _PROGRAM_SIZE[(kv_fp8, 64 if head_dim <= 64 else 128)]
+    return resident_programs(regs, smem, NUM_WARPS, device)
+
+
+@triton.jit
+def _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE: tl.constexpr):
+    """Physical page of each position `offs_n` (0 past the sequence)."""
+    # (unsigned: a shift, not a signed division)
+    return tl.load(bt_row + offs_n.to(tl.uint32) // PAGE_SIZE, mask=offs_n < seq_len, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_tile(k_base, v_base, page, offs_n, seq_len, start, offs_d,
+               stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE: tl.constexpr):
+    """K and V rows [BLOCK_N, HEAD_DIM] of positions `offs_n` in pages `page`; masked rows read nothing."""
+    valid = (offs_n < seq_len) & (offs_n >= start)
+    in_page = offs_n.to(tl.uint32) % PAGE_SIZE
+    k = tl.load(k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+    v = tl.load(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+    return k, v, valid
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    """e4m3 bytes (uint8) to fp16, in registers: opaque to Triton, so the tile reaches the MMA as fp16."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        # Not pure: Triton would otherwise move the layout conversion above it
+        # and gather e4m3 bytes again.
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
+                 KV_FP8: tl.constexpr, FP8_QUERY: tl.constexpr, TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr,
+                 DEFER_SUM: tl.constexpr):
+    """One online-softmax step over a K/V tile: returns the updated (running max, denominator, accumulator)."""
+    # V is the transposed operand of P.V: left to itself, Triton keeps the e4m3 tile in shared memory and
+    # gathers it byte by byte (LDS.U8) into the MMA layout. Converted to fp16 in registers by opaque inline
+    # asm instead, it is staged in shared memory as fp16 and read with ldmatrix.trans. K is K-major, and
+    # Triton reads its e4m3 bytes with ldmatrix already.
+    if KV_FP8:
+        if INTERPRET:
+            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            v = v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            if not FP8_QUERY:
+                k = k.to(tl.float16)
+            v = _e4m3_to_f16(v)
+    elif INTERPRET:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    s = tl.dot(q_op, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A tile can be wholly masked (window start, sequence end) before any
+    # position was seen: keep exp2 away from (-inf) - (-inf).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    acc = acc * alpha[:, None]
+
+    if KV_FP8:
+        if INTERPRET:
+            # The interpreter's fp32 -> fp8 cast truncates; round exactly as the GPU does.
+            p_op = fp8_e4m3_bits(p * P_SCALE).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            # The fp16-converted V takes an fp16 P; its values are still e4m3's.
+            p_op = (p * P_SCALE).to(tl.float8e4nv).to(tl.float16)
+        # The denominator sums the rounded weights the MMA multiplies (in
+        # P_SCALE units), so e4m3's rounding, and its flush of the tiny weights
+        # of a long tail, cancels between numerator and denominator instead of
+        # shrinking the output.
+        p_w = p_op.to(tl.float32)
+    else:
+        if INTERPRET:
+            p_op = p  # fp32 dot: keeps the CPU check tight; the GPU rounds P to bf16
+        else:
+            p_op = p.to(v.dtype)
+        p_w = p
+    if DEFER_SUM:
+        # l_i is [BLOCK_H, BLOCK_N] here: per-position partial sums, reduced once
+        # after the loop, so no tile waits on a cross-warp sum.
+        l_i = l_i * alpha[:, None] + p_w
+    else:
+        l_i = l_i * alpha + tl.sum(p_w, 1)
+    # fp8 and bf16 operands both reach this MMA as fp16/bf16 with fp32 accumulation, so the two forms compute
+    # the same sums; `two_level` chooses between them
+    if TWO_LEVEL:
+        acc += tl.dot(p_op, v)
+    else:
+        acc = tl.dot(p_op, v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_attention_kernel(
+    # tensors
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    # scalars
+    sm_scale, window, num_splits,
+    # strides (last dimension contiguous everywhere); the cache's are compiled
+    # in, so every row address is a page base plus a constant
+    stride_qb, stride_qh,
+    stride_kb: tl.constexpr, stride_kt: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vb: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
+    stride_bt,
+    stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    # shapes
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    # features
+    KV_FP8: tl.constexpr,
+    FP8_QUERY: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr,
+    HAS_V_SCALE: tl.constexpr,
+    K_SCALE_STRIDE: tl.constexpr,
+    V_SCALE_STRIDE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    # how
+    TWO_LEVEL: tl.constexpr,
+    DEFER_SUM: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+    # `launch.split_tiles`'s cut, written out: as an inlined call its debug labels split ptxas's basic blocks
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    first_tile = start // BLOCK_N
+    end_tile = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (end_tile - first_tile + num_splits - 1) // num_splits
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, end_tile)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < GROUP
+    q_head = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(q_ptr + seq * stride_qb + q_head[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    qk_scale = sm_scale * LOG2E
+    if HAS_K_SCALE:
+        qk_scale *= tl.load(k_scale_ptr + kv_head * K_SCALE_STRIDE)
+    if FP8_QUERY:
+        # One dynamic scale per program (its GQA group), computed here so the
+        # query needs no separate quantisation pass.
+        q_scale = tl.maximum(tl.max(tl.max(tl.abs(q), 1), 0) / _FP8_MAX, 1e-30)
+        q_op = fp8_e4m3_bits(tl.math.div_rn(q, q_scale)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        qk_scale *= q_scale
+    elif KV_FP8:
+        # e4m3 K converts to fp16 in one instruction (to bf16 in two), and fp16
+        # holds every e4m3 value; the query saturates at fp16's range.
+        q_op = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
+    else:
+        q_op = q.to(tl.bfloat16)
+    if INTERPRET:
+        # The interpreter's bf16 tl.dot is wrong; fp8/bf16 values are exact in fp32.
+        q_op = q_op.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    if DEFER_SUM:
+        l_i = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+
+    bt_row = block_tables_ptr + seq * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    # The block-table entries of the next tile are loaded one iteration ahead:
+    # K/V addresses then never wait on a load issued in the same iteration, so
+    # the page look-up's round trip leaves the loop's critical path.
+    offs_n = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+    pages = _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE)
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        k, v, valid = _load_tile(k_base, v_base, pages, offs_n, seq_len, start, offs_d,
+                                 stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
+        pages = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
+        m_i, l_i, acc = _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
+                                     KV_FP8, FP8_QUERY, TWO_LEVEL, INTERPRET, DEFER_SUM)
+
+    if DEFER_SUM:
+        l_i = tl.sum(l_i, 1)
+    out_scale = 1.0
+    if KV_FP8:
+        out_scale = 1.0 / P_SCALE
+        l_i = l_i * (1.0 / P_SCALE)
+    if HAS_V_SCALE:
+        out_scale = out_scale * tl.load(v_scale_ptr + kv_head * V_SCALE_STRIDE)
+
+    if IS_SPLIT:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = m_i + tl.log2(l_i)  # -inf for an empty split; the merge gives it weight 0
+        tl.store(part_lse_ptr + seq * stride_pb + q_head * stride_ph + split * stride_ps, lse, mask=h_mask)
+        part = part_out_ptr + seq * stride_pb * HEAD_DIM + split * stride_ps * HEAD_DIM
+        o = acc * (out_scale / l_safe)[:, None]
+        tl.store(part + q_head[:, None] * stride_ph * HEAD_DIM + offs_d[None, :], o, mask=h_mask[:, None])
+    else:
+        if HAS_SINKS:
+            # The sink logit joins the denominator only.
+            sink = tl.load(sinks_ptr + q_head, mask=h_mask, other=0.0) * LOG2E
+            m_fin = tl.maximum(m_i, sink)
+            corr = tl.exp2(m_i - m_fin)
+            l_i = l_i * corr + tl.exp2(sink - m_fin)
+            acc = acc * corr[:, None]
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        dst = out_ptr + seq * stride_ob
+        o = acc * (out_scale / l_safe)[:, None]
+        tl.store(dst + q_head[:, None] * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    if query.dim() != 3 or query.stride(-1) != 1:
+        raise ValueError(f"query: expected [batch, num_q_heads, head_dim] with a contiguous last dim, got {tuple(query.shape)}")
+    if query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"query: dtype {query.dtype}; expected bfloat16, float16 or float32")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dim() != 4 or c.stride(-1) != 1:
+            raise ValueError(f"{name}: expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(c.shape)}")
+        if c.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise ValueError(f"{name}: dtype {c.dtype} is not supported; expected bfloat16 or float8_e4m3fn")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError("key_cache and value_cache must have the same shape and dtype")
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {key_cache.shape[3]} != query head_dim {head_dim}")
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables: expected int32 [{batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables: the last dim must be contiguous")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens: expected int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.device != query.device:
+            raise ValueError(f"{name}: on {t.device}, query is on {query.device}")
+
+
+def _gluon_refusal(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, fp8_query: bool,
+                   config: DecodeConfig | None) -> str:
+    """Why the Gluon kernel cannot take this call ("" when it can)."""
+    if config is not None:
+        return "an explicit DecodeConfig is for the Triton kernel"
+    from kvpolicy.kernels.launch import gluon_runs_on
+
+    ok, why = gluon_runs_on(query.device)
+    if not ok:
+        return why
+    if not fp8_query or key_cache.dtype != torch.float8_e4m3fn:
+        return "it handles FP8 caches with fp8_query=True only"
+    from kvpolicy.kernels import decode_gluon
+
+    return decode_gluon.refusal(query, key_cache, value_cache)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    two_level: bool = True,
+    fp8_query: bool = False,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+    kernel: str = "triton",
+) -> torch.Tensor:
+    """Attention of one new token per sequence over a paged KV cache; returns [batch, num_q_heads, head_dim].
+
+    `query` [batch, num_q_heads, head_dim]; query head h reads KV head
+    h // (num_q_heads // num_kv_heads). Sequence b attends to its first
+    `seq_lens[b]` positions, found through `block_tables[b]` (only the last
+    `sliding_window` of them when given). `sinks` (fp32 [num_q_heads]) are logits
+    that join the softmax denominator only. K/V dequantise as stored * scale.
+    `two_level` adds each tile's P.V into an fp32 accumulator (True) or carries
+    the accumulation inside the MMA (False): the Triton kernel's fp16/bf16 MMA accumulates
+    in fp32 either way; the Gluon kernel's wgmma does not. `fp8_query` quantises the query
+    to e4m3 (FP8 caches only). `num_splits` overrides the split-KV heuristic (`launch.split_count`),
+    which uses the block table's capacity, not `seq_lens`, so the call needs no host
+    sync and can be captured in a CUDA graph. `out` (query dtype or float32) is
+    written in place and returned; otherwise a tensor of the query dtype is.
+    `config` overrides the Triton kernel's tiling (`default_config`).
+    `kernel`: "triton" (this module, every case), "gluon" (`decode_gluon`, the Hopper
+    TMA/wgmma kernel: FP8 cache with `fp8_query`, 16-token pages, head_dim 64/128; an error
+    where it does not apply) or "auto" (gluon where it applies, else triton).
+    """
+    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens)
+    batch, num_q_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, _ = key_cache.shape
+    device = query.device
+    kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if fp8_query and not kv_fp8:
+        raise ValueError("fp8_query needs an FP8 cache; the bfloat16 path multiplies in bf16")
+    k_stride = check_scale(k_scale, "k_scale", num_kv_heads, device)
+    v_stride = check_scale(v_scale, "v_scale", num_kv_heads, device)
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,) or sinks.device != device):
+        raise ValueError(f"sinks: expected float32 [{num_q_heads}] on {device}, got {sinks.dtype} {tuple(sinks.shape)}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive number of positions, got {sliding_window}")
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype not in (query.dtype, torch.float32) or out.stride(-1) != 1 or out.device != device:
+        raise ValueError(f"out: expected {tuple(query.shape)} of {query.dtype} or float32 on {device}, got {out.dtype} {tuple(out.shape)}")
+    if batch == 0:
+        return out
+    if kernel not in ("triton", "gluon", "auto"):
+        raise ValueError(f"kernel must be 'triton', 'gluon' or 'auto', got {kernel!r}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    scale = float(head_dim**-0.5 if sm_scale is None else sm_scale)
+    if kernel != "triton":
+        why = _gluon_refusal(query, key_cache, value_cache, fp8_query, config)
+        if not why:
+            from kvpolicy.kernels import decode_gluon
+
+            return decode_gluon.decode_gluon(query, key_cache, value_cache, block_tables, seq_lens, k_scale=k_scale,
+                                             v_scale=v_scale, k_stride=k_stride, v_stride=v_stride, sm_scale=scale,
+                                             sliding_window=sliding_window, sinks=sinks, two_level=two_level,
+                                             num_splits=num_splits, out=out)
+        if kernel == "gluon":
+            raise ValueError(f"kernel='gluon' does not apply here: {why}")
+
+    cfg = config or default_config(head_dim, kv_fp8, device)
+    splits = num_splits or split_count(batch, num_kv_heads, span(block_tables, page_size, sliding_window, cfg.block_n),
+                                       cfg.block_n, programs_per_sm(head_dim, kv_fp8, device), device)
+    group = num_q_heads // num_kv_heads
+    is_split = splits > 1
+    part_out, part_lse = split_partials(out, splits)
+    kc = key_cache.view(torch.uint8) if kv_fp8 else key_cache
+    vc = value_cache.view(torch.uint8) if kv_fp8 else value_cache
+    dummy = seq_lens
+    _decode_attention_kernel[(num_kv_heads, splits, batch)](
+        query, kc, vc, block_tables, seq_lens,
+        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
+        sinks if sinks is not None else dummy, out, part_out, part_lse,
+        scale, int(sliding_window or 0), splits,
+        query.stride(0), query.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        num_q_heads * splits, splits, 1,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg.block_n,
+        PAGE_SIZE=page_size,
+        KV_FP8=kv_fp8,
+        FP8_QUERY=fp8_query,
+        HAS_K_SCALE=k_scale is not None,
+        HAS_V_SCALE=v_scale is not None,
+        K_SCALE_STRIDE=k_stride,
+        V_SCALE_STRIDE=v_stride,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None and not is_split,
+        IS_SPLIT=is_split,
+        TWO_LEVEL=two_level,
+        DEFER_SUM=cfg.defer_sum,
+        INTERPRET=interpreting(),
+        num_warps=NUM_WARPS,
+        num_stages=cfg.num_stages,
+    )
+    if is_split:
+        merge_splits(part_out, part_lse, sinks, out, splits)
+    return out

@@ -1,0 +1,200 @@
+"""Store kernel: quantize new tokens' K/V and pack them into a paged TurboQuant cache.
+
+One program codes BLOCK_T tokens of one KV head: it rotates the keys by the
+shared Hadamard matrix (an fp32 dot with IEEE precision, so the codes match
+the float64 reference except at exact ties), picks the Lloyd-Max code of every
+coordinate, folds the norm correction into the stored fp16 norm, codes the
+values per vector, and writes whole slots. Layouts are in `formats.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpolicy.kernels.reductions import rmax, rmin, rsum
+from kvpolicy.kernels.formats import FP8_E4M3_MAX, tq_layout
+from kvpolicy.kernels.formats import PAGE as PLANAR_PAGE
+from kvpolicy.kernels.turboquant import kernel_tables
+
+
+@triton.jit
+def _at(base, dest, cols, valid, PLANAR: tl.constexpr):
+    """Byte addresses [BLOCK_T, len(cols)] of slot bytes `cols` of each token: in its page (`dest`: the
+    token's row of the destination table) or in its slot."""
+    if PLANAR:
+        return base[:, None] + tl.load(dest[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    return base[:, None] + cols[None, :]
+
+
+@triton.jit
+def _at16(base, dest, off, valid, PLANAR: tl.constexpr):
+    """fp16 addresses [BLOCK_T] of the field at slot byte `off` (every layout keeps a field's two bytes together,
+    2-byte aligned)."""
+    if PLANAR:
+        return (base + tl.load(dest + off, mask=valid, other=0)) >> 1
+    return (base + off) >> 1
+
+
+@triton.jit
+def _store_kv_tq_kernel(
+    # tensors
+    key_ptr, value_ptr, cache_u8_ptr, cache_f16_ptr, slot_ptr,
+    rot_ptr, bnd_ptr, cb_ptr, dest_ptr,
+    # sizes and strides (elements of key/value, bytes of the cache)
+    num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, row_bytes,
+    # layout
+    HEAD_DIM: tl.constexpr, SLOT: tl.constexpr, KEY_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    V_OFF: tl.constexpr, KNORM_OFF: tl.constexpr, VSCALE_OFF: tl.constexpr, VZERO_OFF: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    # planar pages (turboquant.py): [blocks, kv_heads, PAGE * SLOT]; dest_ptr holds, for each token of a
+    # page and each byte of its slot, the byte's place in the page (`turboquant.planar_destinations`)
+    PLANAR: tl.constexpr, PAGE: tl.constexpr, NUM_KV: tl.constexpr,
+    # tiling
+    BLOCK_T: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + offs_t, mask=offs_t < num_tokens, other=-1)
+    valid = slot >= 0
+    # int64: a cache of a long batch is larger than 2 GiB
+    if PLANAR:
+        blk = slot.to(tl.int64) // PAGE
+        base = (blk * NUM_KV + head) * (PAGE * SLOT)  # the page
+        dest = dest_ptr + (slot % PAGE) * SLOT  # where the page holds each byte of this token's slot
+    else:
+        base = slot.to(tl.int64) * row_bytes + head * SLOT  # the slot
+        dest = dest_ptr  # unused
+    cols = tl.arange(0, HEAD_DIM)
+    k_row = key_ptr + offs_t.to(tl.int64)[:, None] * stride_kt + head * stride_kh
+    v_row = value_ptr + offs_t.to(tl.int64)[:, None] * stride_vt + head * stride_vh
+
+    # ---- keys ----
+    k = tl.load(k_row + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    if KEY_BITS == 8:
+        k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)  # saturate like vLLM's satfinite cast
+        kb = k.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(cache_u8_ptr + _at(base, dest, cols, valid, PLANAR), kb, mask=valid[:, None])
+    else:
+        NCH: tl.constexpr = 2 if KEY_BITS == 4 else 4
+        C: tl.constexpr = HEAD_DIM // NCH
+        E: tl.constexpr = HEAD_DIM // 8
+        HALF: tl.constexpr = 2 ** (KEY_BITS - 1)
+        knorm = tl.sqrt(rsum(k * k, axis=1))
+        inv = tl.where(knorm > 0, 1.0 / tl.where(knorm > 0, knorm, 1.0), 0.0)
+        cols_c = tl.arange(0, C)
+        csq = tl.full([BLOCK_T], 0, dtype=tl.float32)
+        packed = tl.full([BLOCK_T, C], 0, dtype=tl.int32)  # 4-bit codes, or the 2-bit plane
+        plane1 = tl.full([BLOCK_T, E], 0, dtype=tl.int32)
+        for c in tl.static_range(NCH):
+            r = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + (c * C + cols_c)[None, :])
+            # ieee: tf32 would move coordinates by ~1e-3 and flip codes near thresholds
+            u = tl.dot(k, r, input_precision="ieee") * inv[:, None]
+            idx = tl.full([BLOCK_T, C], 0, dtype=tl.int32)
+            for lvl in tl.static_range(2**KEY_BITS - 1):
+                idx += (u > tl.load(bnd_ptr + lvl)).to(tl.int32)
+            cval = tl.load(cb_ptr + idx)
+            csq += rsum(cval * cval, axis=1)
+            # sign-magnitude code: the decoder's register table holds only the positive half
+            idx = tl.where(idx >= HALF, idx - HALF, (HALF - 1 - idx) | HALF)
+            if KEY_BITS == 4:
+                packed = packed | (idx << (4 * c))
+            else:
+                packed = packed | ((idx & 3) << (2 * c))
+                # quarter c holds coordinates c*D/4 + j; its two halves are bits 2c and 2c+1 of plane byte j mod D/8
+                hb = tl.reshape((idx >> 2) & 1, [BLOCK_T, 2, E])
+                half = tl.arange(0, 2)
+                plane1 = plane1 | rsum(hb << (half[None, :, None] + 2 * c), axis=1)
+        tl.store(cache_u8_ptr + _at(base, dest, cols_c, valid, PLANAR), packed.to(tl.uint8), mask=valid[:, None])
+        if KEY_BITS == 3:
+            cols_e = HEAD_DIM // 4 + tl.arange(0, E)  # the 1-bit plane follows the 2-bit one in the slot
+            tl.store(cache_u8_ptr + _at(base, dest, cols_e, valid, PLANAR), plane1.to(tl.uint8),
+                     mask=valid[:, None])
+        stored = knorm / tl.sqrt(csq)
+        tl.store(cache_f16_ptr + _at16(base, dest, KNORM_OFF, valid, PLANAR), stored.to(tl.float16), mask=valid)
+
+    # ---- values ----
+    LEVELS: tl.constexpr = 2**V_BITS - 1
+    v = tl.load(v_row + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    vmin = rmin(v, axis=1)
+    vmax = rmax(v, axis=1)
+    # code against the fp16-rounded scale and zero, the numbers the decoder will read
+    scale = ((vmax - vmin) / LEVELS).to(tl.float16).to(tl.float32)
+    zero = vmin.to(tl.float16).to(tl.float32)
+    safe = tl.where(scale > 0, scale, 1.0)
+    VNCH: tl.constexpr = 2 if V_BITS == 4 else 4
+    VC: tl.constexpr = HEAD_DIM // VNCH
+    VE: tl.constexpr = HEAD_DIM // 8
+    cols_v = tl.arange(0, VC)
+    vpacked = tl.full([BLOCK_T, VC], 0, dtype=tl.int32)
+    vplane1 = tl.full([BLOCK_T, VE], 0, dtype=tl.int32)
+    for c in tl.static_range(VNCH):
+        vc = tl.load(v_row + (c * VC + cols_v)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        code = tl.floor((vc - zero[:, None]) / safe[:, None] + 0.5)
+        code = tl.minimum(tl.maximum(code, 0.0), LEVELS)
+        code = tl.where(scale[:, None] > 0, code, 0.0).to(tl.int32)
+        if V_BITS == 4:
+            vpacked = vpacked | (code << (4 * c))
+        else:
+            vpacked = vpacked | ((code & 3) << (2 * c))
+            hb = tl.reshape((code >> 2) & 1, [BLOCK_T, 2, VE])
+            half = tl.arange(0, 2)
+            vplane1 = vplane1 | rsum(hb << (half[None, :, None] + 2 * c), axis=1)
+    tl.store(cache_u8_ptr + _at(base, dest, V_OFF + cols_v, valid, PLANAR), vpacked.to(tl.uint8),
+             mask=valid[:, None])
+    if V_BITS == 3:
+        cols_ve = V_OFF + HEAD_DIM // 4 + tl.arange(0, VE)
+        tl.store(cache_u8_ptr + _at(base, dest, cols_ve, valid, PLANAR), vplane1.to(tl.uint8),
+                 mask=valid[:, None])
+    tl.store(cache_f16_ptr + _at16(base, dest, VSCALE_OFF, valid, PLANAR), scale.to(tl.float16), mask=valid)
+    tl.store(cache_f16_ptr + _at16(base, dest, VZERO_OFF, valid, PLANAR), zero.to(tl.float16), mask=valid)
+
+
+def store_kv_tq(
+    key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: str,
+    *, block_t: int = 16, num_warps: int = 4,
+) -> None:
+    """Quantize K/V [num_tokens, num_kv_heads, head_dim] and write them into `cache` at `slot_mapping`.
+
+    `cache` is uint8 [num_blocks, block_size, num_kv_heads, slot_bytes] (contiguous), or a
+    planar cache [num_blocks, num_kv_heads, block_size * slot_bytes] (`turboquant.allocate_tq_planar_cache`,
+    block_size 16); `slot_mapping` int64 [num_tokens] holds block * block_size + offset, negative
+    entries are skipped. Padding bytes of a slot are left as they were.
+    """
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"key/value must both be [tokens, kv_heads, head_dim]; got {tuple(key.shape)} and {tuple(value.shape)}")
+    t, h, d = key.shape
+    lay = tq_layout(fmt, d)
+    planar = cache.dim() == 3
+    if planar and (cache.dtype != torch.uint8 or cache.shape[1] != h or cache.shape[2] != PLANAR_PAGE * lay.slot_bytes):
+        raise ValueError(f"{fmt}: a planar cache must be uint8 [blocks, {h}, {PLANAR_PAGE * lay.slot_bytes}] "
+                         f"({PLANAR_PAGE}-token pages); "
+                         f"got {cache.dtype} {tuple(cache.shape)}")
+    if not planar and (cache.dtype != torch.uint8 or cache.dim() != 4 or cache.shape[2] != h
+                       or cache.shape[3] != lay.slot_bytes):
+        raise ValueError(
+            f"{fmt}: cache must be uint8 [blocks, block_size, {h}, {lay.slot_bytes}]; got {cache.dtype} {tuple(cache.shape)}"
+        )
+    if not cache.is_contiguous():
+        raise ValueError("cache must be contiguous (slot offsets are slot * kv_heads * slot_bytes)")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"slot_mapping must be int64 [{t}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key/value need a contiguous last dimension")
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16 (tl.dot), got {block_t}")
+    if t == 0:
+        return
+    tabs = kernel_tables(fmt, d, cache.device)
+    grid = (triton.cdiv(t, block_t), h)
+    _store_kv_tq_kernel[grid](
+        key, value, cache, cache.view(torch.float16), slot_mapping,
+        tabs["rot_t_f32"], tabs["boundaries_f32"], tabs["codebook_f32"], tabs["planar_dest_i32"],
+        t, key.stride(0), key.stride(1), value.stride(0), value.stride(1), h * lay.slot_bytes,
+        HEAD_DIM=d, SLOT=lay.slot_bytes, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits,
+        V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0), VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
+        FP8_MAX=FP8_E4M3_MAX, PLANAR=planar, PAGE=PLANAR_PAGE if planar else cache.shape[1], NUM_KV=h,
+        BLOCK_T=block_t, num_warps=num_warps,
+    )

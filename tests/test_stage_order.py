@@ -3,7 +3,7 @@
 Every import in kvpolicy/ (also the lazy ones inside functions and those under
 TYPE_CHECKING) is read with `ast` and mapped to its stage; a module may import
 its own stage or an earlier one, plus the stage-free leaves (`kvpolicy`,
-`kvpolicy.errors`). Modules never import each other in a cycle. The kernels
+`kvpolicy.errors`, `kvpolicy.formats`). Modules never import each other in a cycle. The kernels
 import nothing of kvpolicy but themselves, and only the runtime imports them.
 """
 
@@ -30,10 +30,10 @@ TIERS: list[tuple[str, ...]] = [
 ]
 """Stages in flow order; stages in one tier are peers and may not import each other."""
 RANK = {stage: i for i, tier in enumerate(TIERS) for stage in tier}
-LEAVES = {"kvpolicy", "kvpolicy.errors"}
-"""Stage-free helpers any module may import (they import nothing of kvpolicy)."""
-TOP_LEVEL = {"kvpolicy.cli": "commands", "kvpolicy.__main__": "commands", "kvpolicy.formats": "facts"}
-"""Modules directly under kvpolicy/ and their stage (`formats` re-exports facts.formats for the kernels)."""
+LEAVES = {"kvpolicy", "kvpolicy.errors", "kvpolicy.formats"}
+"""Stage-free helpers any module may import (they import nothing of kvpolicy); `formats` is the KV format registry."""
+TOP_LEVEL = {"kvpolicy.cli": "commands", "kvpolicy.__main__": "commands"}
+"""Modules directly under kvpolicy/ and their stage."""
 
 
 def _modules() -> dict[str, Path]:
@@ -116,8 +116,6 @@ def _violations() -> list[str]:
             if theirs == "kernels":
                 if own != "runtime":
                     out.append(where + ": only the runtime launches kernels")
-            elif dep == "kvpolicy.formats":
-                out.append(where + ": import kvpolicy.facts.formats (kvpolicy.formats is kept for the kernels)")
             elif theirs == "leaf" or theirs == own:
                 continue
             elif own == "leaf":

@@ -32,9 +32,16 @@ def test_every_model_entry_validates_and_is_well_formed():
     for key, arch in models.items():
         assert key == arch.id == key.lower()
         assert arch.family and arch.source and arch.hf_id
-        assert arch.weight_bytes > 0, f"{key}: needs params_b or weights_gb"
-        assert arch.max_position_embeddings, key
+        assert arch.weight_bytes > 0 and arch.weights_basis, key
+        assert arch.max_model_len and arch.max_model_len_basis, key
         assert arch.kv_layer_indices, key
+        assert (catalog.CONFIGS_DIR / f"{key}.json").is_file(), key
+
+
+def test_every_catalog_config_has_a_sources_row():
+    sources = (catalog.CONFIGS_DIR / "SOURCES.md").read_text()
+    for key in catalog.catalog_ids():
+        assert f"| `{key}` |" in sources, key
 
 
 def test_every_gpu_entry_validates_and_fp8_compute_follows_the_generation():
@@ -131,7 +138,8 @@ def test_gpt_oss_20b_layout():
     arch = resolve_model("gpt-oss-20b")
     assert arch.count("full") == 12 and arch.count("sliding") == 12
     assert arch.sliding_window == 128 and arch.has_attention_sinks
-    assert arch.weights_gb == pytest.approx(13.8)
+    # MXFP4 experts + BF16 attention/router/embeddings from the config's shapes; the checkpoint is ~13.8 GB.
+    assert arch.weight_bytes == pytest.approx(13.8e9, rel=0.01)
 
 
 def test_gemma4_e2b_layout():
@@ -141,10 +149,27 @@ def test_gemma4_e2b_layout():
     assert (arch.head_dim, arch.full_head_dim, arch.sliding_window) == (256, 512, 512)
 
 
-def test_quantized_checkpoints_carry_weights_gb():
-    for model_id in ("gpt-oss-20b", "gpt-oss-120b", "kimi-k2.5", "deepseek-v3", "minimax-m2.7"):
-        assert resolve_model(model_id).weights_gb is not None, model_id
-    assert resolve_model("llama-3.1-8b").weights_gb is None  # BF16: 2 bytes x params_b
+def test_quantized_checkpoints_are_priced_in_their_own_format():
+    expected = {"gpt-oss-20b": "MXFP4", "gpt-oss-120b": "MXFP4", "kimi-k2.5": "compressed-tensors int4 group 32",
+                "deepseek-v3": "fp8 128x128 blocks", "minimax-m2.7": "fp8 128x128 blocks",
+                "qwen3-30b-a3b-nvfp4": "NVFP4"}
+    for model_id, scheme in expected.items():
+        arch = resolve_model(model_id)
+        assert arch.weights_gb is None and scheme in arch.weights_basis, (model_id, arch.weights_basis)
+    llama = resolve_model("llama-3.1-8b")  # BF16, and the catalog knows its safetensors total_size
+    assert llama.weight_bytes == 16_060_522_496 and "total_size" in llama.weights_basis
+
+
+def test_loading_one_model_parses_only_its_config(monkeypatch: pytest.MonkeyPatch):
+    from kvpolicy.inputs import hfconfig
+
+    catalog._model.cache_clear()
+    seen: list[str] = []
+    real = hfconfig.read_json
+    monkeypatch.setattr(hfconfig, "read_json", lambda path, **kw: (seen.append(path.name), real(path, **kw))[1])
+    resolve_model("qwen3-8b")
+    assert [n for n in seen if not n.endswith("hf_quant_config.json")] == ["qwen3-8b.json"]
+    catalog._model.cache_clear()
 
 
 # -- local configs --------------------------------------------------------------------------
@@ -300,13 +325,18 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_invalid_model_entry_names_the_file_the_entry_and_the_field(tmp_path: Path):
-    path = write(tmp_path, "good:\n  num_layers: 2\n  num_attention_heads: 4\n  num_kv_heads: 2\n  head_dim: 64\n"
-                 "bad:\n  num_layers: 2\n  num_attention_heads: 4\n  head_dim: -1\n")
+    path = write(tmp_path, "good:\n  hf_id: org/good\nbad:\n  aliases: [b]\n  checkpoint_bytes: -1\n")
     with pytest.raises(InputError) as err:
         load_models(path)
     msg = str(err.value)
     assert str(path) in msg and "entry `bad`" in msg
-    assert "`num_kv_heads`" in msg and "`head_dim`" in msg and "(found -1)" in msg
+    assert "`hf_id`" in msg and "`checkpoint_bytes`" in msg and "(found -1)" in msg
+
+
+def test_model_entry_without_its_config_file_names_the_file(tmp_path: Path):
+    path = write(tmp_path, "lonely:\n  hf_id: org/lonely\n")
+    with pytest.raises(InputError, match=r"configs/lonely\.json: file not found"):
+        load_models(path)
 
 
 def test_unknown_field_in_an_entry(tmp_path: Path):

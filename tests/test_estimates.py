@@ -174,7 +174,7 @@ def test_each_figure_is_computed_once_and_the_estimates_match_the_facts(builtin,
 
     # What each function computes a figure of: the variant (the layout object, cached per variant) or the dtype.
     variant = {"break_even": lambda a: (a[3], tuple(a[4])), "recovery": lambda a: a[1],
-               "max_concurrency": lambda a: id(a[0]), "kernel_figure": lambda a: a[3]}
+               "plan": lambda a: id(a[1]), "kernel_figure": lambda a: a[3]}
     calls: list[tuple[str, object]] = []
     for name, key in variant.items():
         for module in (estimates, build):  # wherever the facts or the estimates could call it from
@@ -188,7 +188,9 @@ def test_each_figure_is_computed_once_and_the_estimates_match_the_facts(builtin,
     facts, est, d = r.trace.facts, r.estimates, r.decision
     fmt = {"auto": "bf16", "fp8": "fp8"}.get(d.kv_cache_dtype)
     if fmt and not d.skip_layers:
-        assert est.max_concurrency.value == facts[f"memory.max_concurrency_{fmt}"]
+        # The facts count whole requests (the null block held back); the estimate is what vLLM logs.
+        whole = facts[f"memory.max_concurrency_{fmt}"]
+        assert whole <= est.max_concurrency.value < whole + 2
     if d.kv_cache_dtype == "fp8":
         variant = "fp8_skip_sliding" if d.skip_layers == ["sliding_window"] else "fp8"
         assert est.break_even_tokens.value == facts[f"latency.{variant}_break_even_tokens"]

@@ -118,7 +118,8 @@ def test_nemotron_h_pattern_keeps_kv_only_in_attention_blocks():
     arch = fixture("nemotron-h-8b")
     assert arch.num_layers == 52
     assert [i for i, t in enumerate(arch.layer_types) if t == "full"] == [7, 18, 29, 40]
-    assert arch.count("linear") == 48  # Mamba-2 and MLP-only blocks: no per-token KV
+    assert arch.layer_types.count("linear") == 48  # Mamba-2 and MLP-only blocks: no per-token KV
+    assert arch.count("mamba") == 24 and arch.count("none") == 24 and arch.count("linear") == 24
     assert arch.head_dim == 128  # attention_head_dim
     assert kv_bytes(arch) == 4 * 8 * 256 * 2
 
@@ -127,11 +128,15 @@ def test_folder_and_config_json_path_give_the_same_arch():
     assert load_hf_config(FIXTURES / "gpt-oss-20b") == load_hf_config(FIXTURES / "gpt-oss-20b" / "config.json")
 
 
-def test_weights_gb_comes_from_the_safetensors_index(tmp_path: Path):
+def test_weights_come_from_the_safetensors_index_when_present(tmp_path: Path):
     shutil.copy(FIXTURES / "llama-3.1-8b-instruct" / "config.json", tmp_path / "config.json")
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 16_060_522_496}}))
-    assert load_hf_config(tmp_path).weights_gb == pytest.approx(16.061, abs=1e-3)
-    assert load_hf_config(FIXTURES / "llama-3.1-8b-instruct").weights_gb is None
+    indexed = load_hf_config(tmp_path)
+    assert indexed.weight_bytes == 16_060_522_496 and "total_size" in indexed.weights_basis
+    # Without an index: the config's shapes in BF16 give the same 8.03B parameters x 2 bytes.
+    shapes = load_hf_config(FIXTURES / "llama-3.1-8b-instruct")
+    assert shapes.weight_bytes == 16_060_522_496 and "config shapes" in shapes.weights_basis
+    assert shapes.weights_gb is None
 
 
 # -- the catalog and the config agree -------------------------------------------------------
@@ -220,8 +225,9 @@ def test_granite_hybrid_layer_types_mamba_and_attention():
 
 
 def test_layers_block_type_list():
-    arch = make(**BASE, layers_block_type=["mamba", "moe", "attention", "moe"] * 2)
+    arch = make(**BASE, model_type="jamba", layers_block_type=["mamba", "mamba", "attention", "mamba"] * 2)
     assert arch.layer_types == ["linear", "linear", "full", "linear"] * 2
+    assert arch.count("mamba") == 6 and arch.layer(0).state.type == "mamba1"
 
 
 def test_qwen3_next_full_attention_interval_without_a_list():
@@ -230,7 +236,7 @@ def test_qwen3_next_full_attention_interval_without_a_list():
 
 
 def test_gpt_oss_architecture_name_alone_marks_sinks():
-    arch = make(**BASE, architectures=["GptOssForCausalLM"])
+    arch = make(**BASE, architectures=["GptOssForCausalLM"], sliding_window=128)
     assert arch.has_attention_sinks
     assert not make(**BASE, model_type="llama").has_attention_sinks
 
@@ -282,8 +288,8 @@ def test_layer_types_length_must_match():
 
 
 def test_unknown_layer_kind_is_named_with_the_known_ones():
-    with pytest.raises(InputError, match=r"`layer_types\[1\]` is 'chunked_attention'.*`full_attention`"):
-        make(**BASE, layer_types=["full_attention", "chunked_attention"] + ["full_attention"] * 6)
+    with pytest.raises(InputError, match=r"`layer_types\[1\]` is 'wobbly_attention'.*full_attention"):
+        make(**BASE, layer_types=["full_attention", "wobbly_attention"] + ["full_attention"] * 6)
 
 
 def test_sliding_layers_without_a_window():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import itertools
 
 import pytest
@@ -140,14 +142,20 @@ def test_capacity_matches_vllm_formula():
     assert sum(layer_kv_bytes_per_token(llama, i, FORMATS["auto"], tp=2) for i in range(32)) == 65536
 
 
-def test_capacity_estimate_is_budget_over_bytes(builtin):
+def test_capacity_estimate_is_vllms_logged_kv_cache_size(builtin):
     r = rec(builtin, "llama-3.1-8b", "h100", context="32k")
     e = r.estimates
     assert e.kv_capacity_tokens.value == pytest.approx(2 * e.kv_capacity_tokens_bf16.value, rel=1e-3)
     assert e.capacity_vs_bf16.value == pytest.approx(2.0)
     gpu = load_gpus()["h100-sxm"]
-    budget = gpu.memory_gib * (1 << 30) * 0.92 - 8.03e9 * 2 - 2.5 * (1 << 30)
-    assert e.kv_capacity_tokens_bf16.value == int(budget // 131072)
+    # Modelled budget: ceil(memory x 0.92) - weights (the checkpoint's total_size) - 2.5 GiB reserve.
+    budget = math.ceil(gpu.memory_gib * (1 << 30) * 0.92) - 16_060_522_496 - int(2.5 * (1 << 30))
+    # One full-attention group: 32 layers x 16 tokens x 4096 B = 2 MiB per block; 2048 blocks per 32k request.
+    num_blocks = budget // (32 * 16 * 4096)
+    assert e.kv_capacity_tokens_bf16.value == int(num_blocks / 2048 * 32768)
+    fp8_blocks = budget // (32 * 16 * 2048)  # the decided dtype is fp8: 1 MiB blocks
+    assert r.decision.kv_cache_dtype == "fp8" and e.max_concurrency.value == round(fp8_blocks / 2048, 2)
+    assert e.kv_bytes_per_request.value == 32768 * 131072 // 2
 
 
 @pytest.mark.parametrize("text,tokens", [("32k", 32768), ("131072", 131072), ("128K", 131072),

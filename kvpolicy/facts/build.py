@@ -26,10 +26,10 @@ FACTS: dict[str, str] = {
     "model.num_full_layers": "full-attention layers",
     "model.num_sliding_layers": "sliding-window layers",
     "model.num_mla_layers": "MLA layers",
-    "model.num_linear_layers": "linear-attention / Mamba layers (no per-token KV)",
+    "model.num_linear_layers": "recurrent-state layers (Mamba, gated delta net, short conv, linear attention)",
     "model.num_kv_layers": "layers that hold a KV cache of their own",
     "model.sliding_window": "sliding window in tokens (absent when none)",
-    "model.is_hybrid": "more than one kind of layer cache (sliding, linear or shared beside full)",
+    "model.is_hybrid": "more than one kind of layer cache (sliding, chunked, recurrent or shared beside full)",
     "model.has_attention_sinks": "learned attention sinks (gpt-oss)",
     "gpu.id": "catalog id of the GPU",
     "gpu.vendor": "nvidia or amd",
@@ -113,7 +113,7 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
     f["memory.fits_bf16"] = conc["auto"] >= workload.concurrency
     f["memory.fits_fp8"] = conc["fp8"] >= workload.concurrency
     f["memory.fits_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"] >= workload.concurrency
-    need = fig.layout("auto").request_bytes(workload.context_tokens) * workload.concurrency
+    need = fig.plan("auto").request_bytes * workload.concurrency
     f["memory.pressure_bf16"] = round(need / fig.budget, 3) if fig.budget > 0 else None
 
     variants = [fig.break_even("fp8", [], f)]

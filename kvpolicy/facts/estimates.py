@@ -1,6 +1,8 @@
 """Capacity, latency and accuracy estimates, each labelled measured or modelled.
 
-Capacity comes from vLLM's memory accounting (`kv_memory.py`).
+Capacity follows vLLM's allocator (`kv_memory.py`): bytes per token per layer kind,
+bytes per request (recurrent state included), and the "GPU KV cache size" and
+"Maximum concurrency" vLLM logs for a KV budget; the budget is modelled and shown.
 Latency is the studies' single-request line ITL = slope x context + intercept.
 Where the policy's evidence has a fit for this model on this GPU, the figure is
 measured; otherwise the slope ratio is modelled from the bytes read per token of
@@ -18,9 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from kvpolicy.facts.formats import FORMATS
 from kvpolicy.facts.kernel_figures import KernelFigure, kernel_figure
-from kvpolicy.facts.kv_memory import GIB, RUNTIME_RESERVE_GIB, Layout, kv_budget_bytes, max_concurrency
+from kvpolicy.facts.kv_memory import GIB, RUNTIME_RESERVE_GIB, Capacity, KvPlan, Layout, kv_budget_bytes, plan
+from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_schema import ItlFit, Policy, resolve_threshold
@@ -50,17 +52,21 @@ class Estimates(_Model):
     """Predicted effects of the decision."""
 
     kv_bytes_per_token: dict[str, int]
-    """Bytes per token per rank by layer kind (summed over the layers of that kind), in the chosen format."""
+    """Bytes per token per rank by layer kind (full, sliding, chunked, mla, indexer; summed over the layers of
+    that kind), in the chosen format as vLLM's specs size them."""
     kv_bytes_per_token_bf16: dict[str, int]
     """The same in BF16, for comparison."""
+    kv_bytes_per_request: Estimate
+    """Bytes vLLM reserves per request at the context (whole blocks of every KV cache group, recurrent state
+    included), per rank."""
     kv_capacity_tokens: Estimate
-    """Tokens of KV the GPU holds (per replica) in the chosen format."""
+    """vLLM's logged "GPU KV cache size": int(max concurrency x context), in the chosen format."""
     kv_capacity_tokens_bf16: Estimate
     """The same in BF16."""
     capacity_vs_bf16: Estimate
     """Requests at the context that fit, relative to BF16."""
     max_concurrency: Estimate
-    """Requests at the context that fit in the chosen format."""
+    """vLLM's logged "Maximum concurrency" at the context in the chosen format (blocks / blocks per request)."""
     itl_slope_ratio: Estimate
     """Decode ITL slope (ms/token of context) relative to BF16."""
     kernel_slope_ratio: Estimate
@@ -204,12 +210,26 @@ class Figures:
     def layout(self, dtype: str, skip_layers: list[str] | tuple[str, ...] = ()) -> Layout:
         """Per-layer formats and bytes of a variant."""
         return self._once(("layout", dtype, tuple(skip_layers)),
-                          lambda: Layout.of(self.arch, dtype, skip_layers, self.workload.tp))
+                          lambda: Layout.of(self.arch, dtype, skip_layers, self.workload.tp, self.gpu))
+
+    def plan(self, dtype: str, skip_layers: list[str] | tuple[str, ...] = ()) -> KvPlan:
+        """vLLM's groups and blocks for a variant at the workload's context."""
+        return self._once(("plan", dtype, tuple(skip_layers)),
+                          lambda: plan(self.arch, self.layout(dtype, skip_layers), self.workload.context_tokens,
+                                       self.gpu))
 
     def max_concurrency(self, dtype: str, skip_layers: list[str] | tuple[str, ...] = ()) -> int:
-        """Requests at the workload's context that fit with a variant."""
+        """Whole requests at the workload's context that fit with a variant."""
         return self._once(("concurrency", dtype, tuple(skip_layers)),
-                          lambda: max_concurrency(self.layout(dtype, skip_layers), self.budget, self.workload))
+                          lambda: self.plan(dtype, skip_layers).capacity(self.budget).requests_that_fit)
+
+    def budget_basis(self) -> str:
+        """How the KV budget per rank is modelled, with its inputs."""
+        arch, gpu, wl = self.arch, self.gpu, self.workload
+        return (f"modelled budget {gpu.memory_gib:g} GiB x {wl.gpu_memory_utilization:g} - weights "
+                f"{arch.weight_bytes / 1e9:.1f} GB / tp {wl.tp} ({arch.weight_basis}) - reserve "
+                f"{RUNTIME_RESERVE_GIB:g} GiB (vLLM profiles activations and CUDA graphs) = "
+                f"{self.budget / GIB:.1f} GiB per rank")
 
     def break_even(self, dtype: str, skip_layers: list[str] | tuple[str, ...], facts: dict[str, Any]) -> Estimate:
         """Break-even context of a variant against BF16."""
@@ -229,37 +249,43 @@ class Figures:
 
 def estimate(figures: Figures, kv_cache_dtype: str, skip_layers: list[str], facts: dict[str, Any]) -> Estimates:
     """All estimates for a decided KV dtype and its skip layers, from the deployment's figures."""
-    arch, gpu, workload = figures.arch, figures.gpu, figures.workload
-    tp = workload.tp
+    workload = figures.workload
     layout = figures.layout(kv_cache_dtype, skip_layers)
     bf16 = figures.layout("auto")
-    budget = figures.budget
-    budget_basis = (f"{gpu.memory_gib:g} GiB x {workload.gpu_memory_utilization:g} - weights "
-                    f"{arch.weight_bytes / 1e9:.1f} GB / tp {tp} - reserve {RUNTIME_RESERVE_GIB:g} GiB "
-                    f"= {budget / GIB:.1f} GiB per rank")
-
-    def capacity(l: Layout) -> int:
-        return max(0, int(budget // l.bytes_per_token()))
-
-    cap, cap_bf16 = capacity(layout), capacity(bf16)
-    conc, conc_bf16 = figures.max_concurrency(kv_cache_dtype, skip_layers), figures.max_concurrency("auto")
-    per_req = layout.request_bytes(workload.context_tokens)
-    per_req_bf16 = bf16.request_bytes(workload.context_tokens)
+    kv_plan, plan_bf16 = figures.plan(kv_cache_dtype, skip_layers), figures.plan("auto")
+    cap, cap_bf16 = kv_plan.capacity(figures.budget), plan_bf16.capacity(figures.budget)
+    budget_basis = figures.budget_basis()
+    per_req, per_req_bf16 = kv_plan.request_bytes, plan_bf16.request_bytes
+    ctx = workload.context_tokens
+    state = kv_plan.state_request_bytes
+    state_text = f", {state:,} of them recurrent state" if state else ""
     return Estimates(
         kv_bytes_per_token=layout.bytes_by_kind(),
         kv_bytes_per_token_bf16=bf16.bytes_by_kind(),
-        kv_capacity_tokens=Estimate(value=cap, unit="tokens", provenance="modelled",
-                                    basis=f"{budget_basis} / {layout.bytes_per_token():,} bytes per token"),
-        kv_capacity_tokens_bf16=Estimate(value=cap_bf16, unit="tokens", provenance="modelled",
-                                         basis=f"{budget_basis} / {bf16.bytes_per_token():,} bytes per token"),
+        kv_bytes_per_request=Estimate(
+            value=per_req, unit="bytes", provenance="modelled",
+            basis=f"vLLM's allocator at {ctx:,} tokens: {kv_plan.blocks_per_request:,} blocks x "
+                  f"{kv_plan.bytes_per_block:,} bytes ({kv_plan.describe()}){state_text}"),
+        kv_capacity_tokens=Estimate(value=cap.tokens, unit="tokens", provenance="modelled",
+                                    basis=_capacity_basis(kv_plan, cap, budget_basis)),
+        kv_capacity_tokens_bf16=Estimate(value=cap_bf16.tokens, unit="tokens", provenance="modelled",
+                                         basis=_capacity_basis(plan_bf16, cap_bf16, budget_basis)),
         capacity_vs_bf16=Estimate(value=round(per_req_bf16 / per_req, 3) if per_req else None, unit="ratio",
                                   provenance="modelled",
-                                  basis=f"bytes per request at {workload.context_tokens:,} tokens: "
-                                        f"{per_req_bf16:,} BF16 / {per_req:,}"),
-        max_concurrency=Estimate(value=conc, unit="requests", provenance="modelled",
-                                 basis=f"{budget_basis} / {per_req:,} bytes per request (BF16: {conc_bf16})"),
+                                  basis=f"bytes per request at {ctx:,} tokens: {per_req_bf16:,} BF16 / {per_req:,}"),
+        max_concurrency=Estimate(
+            value=round(cap.max_concurrency, 2), unit="requests", provenance="modelled",
+            basis=f"vLLM logs \"Maximum concurrency for {ctx:,} tokens per request: {cap.max_concurrency:.2f}x\": "
+                  f"{cap.num_blocks:,} blocks / {kv_plan.blocks_per_request:,} per request ({per_req:,} bytes"
+                  f"{state_text}); BF16 {cap_bf16.max_concurrency:.2f}x; {budget_basis}"),
         itl_slope_ratio=slope_ratio(figures.policy, figures.itl, layout, bf16, kv_cache_dtype, skip_layers, facts),
         kernel_slope_ratio=kernel_slope(figures.kernel_figure(kv_cache_dtype)),
         break_even_tokens=figures.break_even(kv_cache_dtype, skip_layers, facts),
         accuracy_recovery=figures.recovery(kv_cache_dtype),
     )
+
+
+def _capacity_basis(kv_plan: KvPlan, cap: Capacity, budget_basis: str) -> str:
+    return (f"vLLM's \"GPU KV cache size\" = int({cap.max_concurrency:.2f} x {kv_plan.max_model_len:,}): "
+            f"{cap.num_blocks:,} blocks of {kv_plan.bytes_per_block:,} bytes ({kv_plan.block_size}-token blocks); "
+            f"{budget_basis}")

@@ -3,6 +3,9 @@
 `resolve_model` takes a catalog id, an alias, a Hugging Face id (all
 case-insensitive) or a local config.json path; `resolve_gpu` takes an id, an alias,
 an nvidia-smi name, or `auto`. Unknown names raise InputError with close matches.
+A catalog model is its bundled config.json (`data/configs/<id>.json`) read by
+`hfconfig.arch_from_hf_config`, the code that reads a local config, plus the
+entry's names; only the requested model's config is parsed.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvpolicy.errors import InputError
 from kvpolicy.inputs.arch import ModelArch
@@ -20,13 +25,70 @@ MODELS_PATH = DATA_DIR / "models.yaml"
 """The built-in model catalog."""
 GPUS_PATH = DATA_DIR / "gpus.yaml"
 """The built-in GPU catalog."""
+CONFIGS_DIR = DATA_DIR / "configs"
+"""The catalog models' config.json files."""
 
-_Spec = TypeVar("_Spec", ModelArch, GpuSpec)
+_Spec = TypeVar("_Spec", "CatalogEntry", GpuSpec)
 
 
+class CatalogEntry(BaseModel):
+    """A catalog model: the names it answers to and where its config.json is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    hf_id: str
+    """Hugging Face repository id."""
+    aliases: list[str] = Field(default_factory=list)
+    """Other names accepted on the command line."""
+    family: str | None = None
+    """Override of the family derived from model_type."""
+    config: str | None = None
+    """Stem of the config file in data/configs (default: the id)."""
+    checkpoint_bytes: int | None = Field(default=None, gt=0)
+    """The checkpoint's safetensors total_size, when known."""
+    checkpoint_source: str = ""
+    """Where `checkpoint_bytes` comes from."""
+    source: str = ""
+    """Provenance of the config."""
+
+    @property
+    def name(self) -> str:
+        return self.hf_id
+
+
+@functools.cache
 def load_models(path: Path = MODELS_PATH) -> dict[str, ModelArch]:
     """Every catalog model by id, in file order (parsed once per process; do not mutate)."""
-    return _catalog(ModelArch, path)[0]
+    entries = _catalog(CatalogEntry, path)[0]
+    return {key: _model(path, key) for key in entries}
+
+
+def catalog_ids(path: Path = MODELS_PATH) -> list[str]:
+    """Every catalog model id, in file order, without parsing any config."""
+    return list(_catalog(CatalogEntry, path)[0])
+
+
+@functools.cache
+def _model(path: Path, key: str) -> ModelArch:
+    """One catalog model: its bundled config read by hfconfig, with the entry's names."""
+    from kvpolicy.inputs.hfconfig import arch_from_hf_config, read_json
+
+    entry = _catalog(CatalogEntry, path)[0][key]
+    folder = path.parent / "configs"
+    file = folder / f"{entry.config or key}.json"
+    if not file.is_file():
+        raise InputError(f"{path}: entry `{key}`: its config {file}: file not found. Add the model's config.json "
+                         f"there (and a row in {folder / 'SOURCES.md'}), or set `config:` to the file's stem.")
+    config = read_json(file, required=True)
+    quant = read_json(folder / f"{entry.config or key}.hf_quant_config.json", required=False)
+    checkpoint = None
+    if entry.checkpoint_bytes is not None:
+        checkpoint = (entry.checkpoint_bytes, f"checkpoint total_size {entry.checkpoint_bytes:,} bytes "
+                                              f"({entry.checkpoint_source or 'catalog'})")
+    meta = {"hf_id": entry.hf_id, "aliases": list(entry.aliases), "family": entry.family}
+    return arch_from_hf_config(config, key, f"catalog {key} ({entry.source or file.name})", hf_quant_config=quant,
+                               checkpoint_bytes=checkpoint, meta=meta)
 
 
 def load_gpus(path: Path = GPUS_PATH) -> dict[str, GpuSpec]:
@@ -47,12 +109,12 @@ def resolve_model(spec: str, *, where: str = "--model", allow_paths: bool = True
         )
     explicit_path = allow_paths and (text.startswith(("/", "./", "../", "~")) or text.endswith(".json"))
     if not explicit_path:
-        models, index = _catalog(ModelArch, MODELS_PATH)
+        index = _catalog(CatalogEntry, MODELS_PATH)[1]
         found = index.get(text.lower())
         if found is not None:
-            return models[found]
+            return _model(MODELS_PATH, found)
     if not allow_paths:
-        hint = _suggest(text, index)
+        hint = _suggest(text, _catalog(CatalogEntry, MODELS_PATH)[1])
         raise InputError(f"{where}: unknown model `{text}`.{hint} Name a catalog model (`kvpolicy models` "
                          "lists them); local config.json paths are not accepted here.")
     path = Path(text).expanduser()
@@ -66,7 +128,7 @@ def resolve_model(spec: str, *, where: str = "--model", allow_paths: bool = True
             f"(relative paths start at {Path.cwd()}). Pass an existing config.json or the folder "
             "holding it, or a catalog model name (`kvpolicy models`)."
         )
-    hint = _suggest(text, _catalog(ModelArch, MODELS_PATH)[1])
+    hint = _suggest(text, _catalog(CatalogEntry, MODELS_PATH)[1])
     hub = (
         " kvpolicy does not download configs: fetch it (e.g. `huggingface-cli download "
         f"{text} config.json --local-dir DIR`) and pass DIR."
@@ -120,7 +182,7 @@ def _catalog(kind: type[_Spec], path: Path) -> tuple[dict[str, _Spec], dict[str,
             if other != key:
                 raise InputError(
                     f"{path}: entry `{key}`: the name `{name}` also belongs to entry `{other}`. "
-                    f"Every id, alias and {'hf_id' if kind is ModelArch else 'name'} must be unique; "
+                    f"Every id, alias and {'hf_id' if kind is CatalogEntry else 'name'} must be unique; "
                     "remove it from one of them."
                 )
     return items, index
@@ -165,11 +227,10 @@ def _validated(kind: type[_Spec], key: str, entry: dict[str, Any], path: Path) -
             found = err.get("input")
             shown = f" (found {found!r})" if not isinstance(found, dict) and err["type"] != "missing" else ""
             problems.append(f"`{field}`: {err['msg']}{shown}")
-        allowed = ", ".join(kind.model_fields)
-        shorthand = " (plus the shorthands layer_pattern and kv_shared_from)" if kind is ModelArch else ""
+        allowed = ", ".join(f for f in kind.model_fields if f != "id")
         raise InputError(
             f"{path}: entry `{key}` is not a valid {kind.__name__}: {'; '.join(problems)}. "
-            f"Fix the entry; its fields are: {allowed}{shorthand}."
+            f"Fix the entry; its fields are: {allowed}."
         ) from None
 
 
@@ -179,9 +240,8 @@ def _names(items: Any) -> list[str]:
     for item in items:
         out.append(item.id)
         out.extend(item.aliases)
-        extra = item.hf_id if isinstance(item, ModelArch) else item.name
-        if extra:
-            out.append(extra)
+        if item.name:
+            out.append(item.name)
     return out
 
 

@@ -1,15 +1,13 @@
-"""Reading a Hugging Face `config.json` into a `ModelArch`.
+"""Reading a Hugging Face `config.json` into a `ModelArch`, as vLLM 0.33 reads it.
 
-The one place that knows how HF configs spell the KV layout: `num_key_value_heads`
-(absent means MHA), explicit `head_dim`, sliding windows (`layer_types`, Gemma's
-`sliding_window_pattern`, Qwen2's `use_sliding_window`/`max_window_layers`, or one
-window on every layer as in Mistral v0.1), MLA (`kv_lora_rank`), layers without a
-per-token cache (Qwen3.5 / Qwen3-Next `linear_attention`, Jamba's
-`attn_layer_period`, NemotronH's `hybrid_override_pattern`, Granite-4.0-H's
-`layer_types: mamba`, Qwen3-Next's `full_attention_interval`, LFM2's
-`full_attn_idxs`), KV sharing (Gemma 3n/4 `num_kv_shared_layers`) and multimodal
-wrappers that nest the decoder under `text_config`. Falcon-H1 runs attention
-beside Mamba in every layer, so all its layers are full attention here.
+The one place that knows how HF checkpoints describe a model: the decoder config
+(top level, or nested under a multimodal wrapper's `text_config`), the per-layer
+caches (`hf_layers.py`, following the models' `get_kv_cache_spec`), the limits
+vLLM derives (`hf_limits.py`: max_model_len, what `--kv-cache-dtype auto` means)
+and the weights it loads (`hf_weights.py`, or the safetensors index when the
+folder has one). Files are read by `read_json` only. The catalog's bundled configs
+go through the same `arch_from_hf_config`, so a catalog id and a folder holding
+that config.json give the same answer.
 """
 
 from __future__ import annotations
@@ -19,40 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import InputError
-from kvpolicy.inputs.arch import LayerKind, ModelArch
+from kvpolicy.inputs import hf_layers, hf_limits, hf_weights
+from kvpolicy.inputs.arch import ModelArch
 
-_NESTED_KEYS = ("text_config", "llm_config", "language_config")
-"""Where multimodal wrappers keep the decoder's config."""
-
-_LAYER_TYPE_KINDS: dict[str, LayerKind] = {
-    "full_attention": "full",
-    "attention": "full",
-    "global_attention": "full",
-    "global": "full",
-    "full": "full",
-    "sliding_attention": "sliding",
-    "sliding_window_attention": "sliding",
-    "local_attention": "sliding",
-    "local": "sliding",
-    "sliding": "sliding",
-    "linear_attention": "linear",
-    "mamba": "linear",
-    "mamba2": "linear",
-    "conv": "linear",
-    "linear": "linear",
-}
-"""`layer_types` / `layers_block_type` spellings and the cache kind each means."""
-
-_BLOCK_TYPE_KINDS: dict[str, LayerKind] = {
-    **_LAYER_TYPE_KINDS,
-    # Attention-free MLP / MoE blocks hold no cache; `linear` is the closest kind
-    # (no per-token KV) until ModelArch has a kind for cache-free blocks.
-    "mlp": "linear",
-    "moe": "linear",
-}
-
-_PATTERN_KINDS: dict[str, LayerKind] = {"*": "full", "M": "linear", "-": "linear", "E": "linear"}
-"""NemotronH `hybrid_override_pattern`: `*` attention, `M` Mamba-2, `-` MLP, `E` MoE."""
+_NESTED_KEYS = ("text_config", "llm_config", "language_config", "thinker_config")
+"""Where multimodal wrappers keep the decoder's config (`get_text_config`)."""
 
 _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
     # Gemma3TextConfig defaults: google/gemma-3-4b-it's text_config omits them.
@@ -63,55 +32,80 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
         "sliding_window_pattern": 6,
         "max_position_embeddings": 131072,
+        "vocab_size": 262208,
+        "tie_word_embeddings": True,
     },
+    "gemma4_text": {"tie_word_embeddings": True},
+    # NemotronHConfig: the 8B-8K config leaves its MLP width out.
+    "nemotron_h": {"intermediate_size": 21504, "vocab_size": 131072, "tie_word_embeddings": False},
     # Gemma2 alternates sliding (even index) and full layers.
     "gemma2": {"sliding_window_pattern": 2},
 }
 """Defaults the transformers config class supplies when config.json leaves a key out."""
 
-_FAMILIES: dict[str, str] = {
-    "llama": "llama",
+FAMILIES: dict[str, str] = {
+    "llama": "llama", "llama4": "llama", "llama4_text": "llama",
     "gpt_oss": "gpt-oss",
-    "qwen2": "qwen2",
-    "qwen2_moe": "qwen2",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3",
-    "qwen3_next": "qwen3.5",
-    "qwen3_5": "qwen3.5",
-    "qwen3_5_text": "qwen3.5",
-    "qwen3_5_moe": "qwen3.5",
+    "qwen2": "qwen2", "qwen2_moe": "qwen2", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_5_vl_text": "qwen2",
+    "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_vl": "qwen3", "qwen3_vl_text": "qwen3", "qwen3_vl_moe": "qwen3",
+    "qwen3_vl_moe_text": "qwen3",
+    "qwen3_next": "qwen3.5", "qwen3_5": "qwen3.5", "qwen3_5_text": "qwen3.5", "qwen3_5_moe": "qwen3.5",
     "qwen3_5_moe_text": "qwen3.5",
-    "gemma": "gemma",
-    "gemma2": "gemma",
-    "gemma3": "gemma",
-    "gemma3_text": "gemma",
-    "gemma3n": "gemma",
-    "gemma3n_text": "gemma",
-    "gemma4": "gemma",
-    "gemma4_text": "gemma",
-    "kimi_k2": "kimi",
-    "kimi_k25": "kimi",
-    "deepseek_v2": "deepseek",
-    "deepseek_v3": "deepseek",
+    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "gemma3n": "gemma",
+    "gemma3n_text": "gemma", "gemma4": "gemma", "gemma4_text": "gemma",
+    "kimi_k2": "kimi", "kimi_k25": "kimi",
+    "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "deepseek_v32": "deepseek",
+    "glm4": "glm", "glm4_moe": "glm", "glm4_moe_lite": "glm", "glm_moe_dsa": "glm",
     "minimax_m2": "minimax",
-    "mistral": "mistral",
-    "mixtral": "mistral",
-    "mistral3": "mistral",
-    "ministral3": "mistral",
+    "mimo": "mimo", "mimo_v2": "mimo", "mimo_v2_flash": "mimo",
+    "mistral": "mistral", "mixtral": "mistral", "mistral3": "mistral", "ministral3": "mistral",
+    "ministral": "mistral",
+    "phi3": "phi", "phi4": "phi", "phimoe": "phi",
     "nemotron_h": "nemotron",
     "jamba": "jamba",
     "granitemoehybrid": "granite",
     "falcon_h1": "falcon",
+    "hy_v3": "hunyuan", "hunyuan_v1_dense": "hunyuan", "hunyuan_v1_moe": "hunyuan",
+    "lfm2": "lfm",
 }
 """HF `model_type` -> kvpolicy family (the wrapper's type wins over the text tower's)."""
 
+_ARCH_MODEL_TYPE = {"DeepseekV3ForCausalLM": "deepseek_v3", "MiMoV2FlashForCausalLM": "mimo_v2"}
+"""Architecture -> model_type for configs whose model_type transformers does not know (kimi_k2)."""
 
-def load_hf_config(path: str | Path) -> ModelArch:
+
+def read_json(path: Path, *, required: bool) -> Any:
+    """The JSON document at `path` (None when it is absent and not required); errors name the file and the fix."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if not required:
+            return None
+        raise InputError(
+            f"{path}: file not found. Pass an existing config.json or its folder "
+            f"(relative paths start at {Path.cwd()})."
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        if not required:
+            return None
+        raise InputError(f"{path}: cannot be read ({exc}). Check the file's permissions and encoding.") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        if not required:
+            return None
+        raise InputError(
+            f"{path}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg}). "
+            "A Hugging Face config.json must be one JSON object; fix the syntax there."
+        ) from None
+
+
+def load_hf_config(path: str | Path, *, model_id: str | None = None, weights_gb: float | None = None) -> ModelArch:
     """Read a local `config.json` (or the folder holding it) into a ModelArch.
 
-    The model id is the folder name. When the folder also holds the weights,
-    `weights_gb` is taken from `model.safetensors.index.json` (or the size of the
-    `*.safetensors` files), which is what vLLM loads, quantized or not.
+    The model id is the folder name. Beside config.json, the folder may hold
+    `hf_quant_config.json` (ModelOpt's quantization, when config.json has none) and
+    `model.safetensors.index.json`, whose total_size is what vLLM loads.
     """
     path = Path(path).expanduser()
     if path.is_dir():
@@ -123,39 +117,45 @@ def load_hf_config(path: str | Path) -> ModelArch:
             )
     else:
         folder, file = path.parent, path
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(
-            f"{file}: file not found. Pass an existing config.json or its folder "
-            f"(relative paths start at {Path.cwd()})."
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{file}: cannot be read ({exc}). Check the file's permissions and encoding.") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"{file}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg}). "
-            "A Hugging Face config.json must be one JSON object; fix the syntax there."
-        ) from None
+    config = read_json(file, required=True)
     if not isinstance(config, dict):
         raise InputError(
             f"{file}: expected a JSON object of config keys, found a {type(config).__name__}. "
             "Pass the model's config.json."
         )
-    model_id = (folder.resolve().name or "local-model") if file.name == "config.json" else file.stem
-    arch = arch_from_hf_config(config, model_id, str(file))
-    weights_gb = _checkpoint_gb(folder)
-    if weights_gb is not None:
-        arch = arch.model_copy(update={"weights_gb": weights_gb})
-    return arch
+    if model_id is None:
+        model_id = (folder.resolve().name or "local-model") if file.name == "config.json" else file.stem
+    index = read_json(folder / "model.safetensors.index.json", required=False) if file.name == "config.json" else None
+    hf_quant = read_json(folder / "hf_quant_config.json", required=False) if file.name == "config.json" else None
+    index_bytes = _index_total(index)
+    source = str(file)
+    if index_bytes is None and file.name == "config.json":
+        index_bytes = _safetensors_files_bytes(folder)
+        if index_bytes is not None:
+            source_weights = f"*.safetensors files in {folder} ({index_bytes:,} bytes)"
+            return arch_from_hf_config(config, model_id, source, hf_quant_config=hf_quant,
+                                       checkpoint_bytes=(index_bytes, source_weights), weights_gb=weights_gb)
+    weights = (index_bytes, f"model.safetensors.index.json total_size ({index_bytes:,} bytes)") \
+        if index_bytes is not None else None
+    return arch_from_hf_config(config, model_id, source, hf_quant_config=hf_quant, checkpoint_bytes=weights,
+                               weights_gb=weights_gb)
 
 
-def arch_from_hf_config(config: dict[str, Any], model_id: str, source: str) -> ModelArch:
-    """Build a ModelArch from a parsed HF config; `source` names the file in errors."""
+def arch_from_hf_config(config: dict[str, Any], model_id: str, source: str, *,
+                        hf_quant_config: dict[str, Any] | None = None,
+                        checkpoint_bytes: tuple[int, str] | None = None,
+                        weights_gb: float | None = None, meta: dict[str, Any] | None = None) -> ModelArch:
+    """Build a ModelArch from a parsed HF config; `source` names the file in errors.
+
+    `checkpoint_bytes` (bytes, basis) is the safetensors total when known; `weights_gb`
+    overrides every weight figure; `meta` adds catalog fields (hf_id, aliases, family).
+    """
     cfg, nested_in = _decoder_config(config)
     model_type = str(cfg.get("model_type") or config.get("model_type") or "")
+    archs = [str(a) for a in (config.get("architectures") or cfg.get("architectures") or []) if a]
+    arch_name = archs[0] if archs else ""
+    if model_type in ("kimi_k2",) or (not model_type and arch_name in _ARCH_MODEL_TYPE):
+        model_type = model_type or _ARCH_MODEL_TYPE[arch_name]
     defaults = _TRANSFORMERS_DEFAULTS.get(model_type)
     if defaults:
         cfg = {**defaults, **cfg}
@@ -163,57 +163,75 @@ def arch_from_hf_config(config: dict[str, Any], model_id: str, source: str) -> M
 
     num_layers = _positive_int(cfg, "num_hidden_layers", where)
     num_heads = _positive_int(cfg, "num_attention_heads", where)
-    num_kv_heads = _positive_int(cfg, "num_key_value_heads", where) if cfg.get("num_key_value_heads") else num_heads
-    family = _FAMILIES.get(str(config.get("model_type") or ""), _FAMILIES.get(model_type, model_type.replace("_", "-")))
+    model_dtype = _model_dtype(config, cfg)
+    layers = hf_layers.build_layers(cfg, model_type=model_type, arch=arch_name, num_layers=num_layers,
+                                    num_heads=num_heads, model_dtype=model_dtype, where=where)
+    rules = hf_layers.tp_rules(cfg, layers, num_heads=num_heads, model_type=model_type, arch=arch_name)
+    mml, mml_basis = hf_limits.max_model_len(cfg, model_type)
+    q, q_where = hf_limits.quantization_config(config, cfg, hf_quant_config)
+    scheme = hf_limits.kv_cache_scheme(q, q_where)
+    is_mla = bool(cfg.get("kv_lora_rank"))
+    auto, auto_basis = hf_limits.auto_kv_dtype(scheme, is_mla=is_mla)
+
+    mods = hf_weights.modules(cfg, config, layers, model_type=model_type, num_heads=num_heads)
+    wscheme = hf_weights.scheme(q)
+    shape_bytes, params = hf_weights.weights_bytes(mods, wscheme)
+    if checkpoint_bytes is not None:
+        w_bytes, w_basis = checkpoint_bytes
+        w_basis += f"; the config's shapes give {shape_bytes / 1e9:.1f} GB ({params / 1e9:.2f}B parameters, {wscheme.label})"
+    else:
+        w_bytes = shape_bytes
+        w_basis = f"config shapes: {params / 1e9:.2f}B parameters, {wscheme.label} (MTP layers left out)"
+    if weights_gb is not None:
+        w_basis = f"--weights-gb {weights_gb:g} (override; {w_basis})"
+
+    attn = [s for s in layers if s.kind in ("full", "sliding", "chunked")]
+    first = attn[0] if attn else None
+    heads = first.num_kv_heads if first else hf_layers.num_kv_heads(cfg, num_heads)
+    head = hf_layers.head_size(cfg, num_heads, where) if not is_mla else \
+        _positive_int(cfg, "qk_nope_head_dim", where) + _positive_int(cfg, "qk_rope_head_dim", where)
+    sliding = [s for s in layers if s.kind == "sliding"]
+    if sliding:
+        head = sliding[0].head_size
+    full = [s for s in layers if s.kind == "full"]
+    full_head = full[0].head_size if full and full[0].head_size != head else None
+    v_head = cfg.get("v_head_dim") if is_mla else (first.head_size_v if first and first.head_size_v != first.head_size
+                                                   else None)
+    family = FAMILIES.get(str(config.get("model_type") or ""), FAMILIES.get(model_type, model_type.replace("_", "-")))
     fields: dict[str, Any] = {
         "id": model_id,
         "family": family,
+        "model_type": model_type,
+        "architecture": arch_name,
         "num_layers": num_layers,
+        "layers": layers,
         "num_attention_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
+        "num_kv_heads": heads if not is_mla else hf_layers.num_kv_heads(cfg, num_heads),
+        "head_dim": head,
+        "v_head_dim": v_head or None,
+        "full_head_dim": full_head,
+        "sliding_window": sliding[0].window if sliding else None,
+        "attention": "mla" if is_mla else _attention_kind(num_heads, heads),
+        "kv_lora_rank": cfg.get("kv_lora_rank") or None,
+        "qk_rope_head_dim": cfg.get("qk_rope_head_dim") if is_mla else None,
+        "has_attention_sinks": _has_sinks(config, cfg, model_type),
+        "rotary_dim": _rotary_dim(cfg, head),
         "max_position_embeddings": cfg.get("max_position_embeddings") or None,
-        "has_attention_sinks": _has_sinks(config, cfg),
+        "max_model_len": mml,
+        "max_model_len_basis": mml_basis,
+        "model_dtype": model_dtype,
+        "kv_cache_scheme": scheme,
+        "auto_kv_dtype": auto,
+        "auto_kv_basis": auto_basis,
+        "weights_bytes": w_bytes,
+        "weights_basis": w_basis,
+        "weights_gb": weights_gb,
+        "params_b": round(params / 1e9, 3) or None,
+        "tp_rules": rules,
         "source": source,
     }
-
-    if cfg.get("kv_lora_rank"):
-        # MLA: one latent (kv_lora_rank) plus the decoupled RoPE key per token and layer.
-        nope = _positive_int(cfg, "qk_nope_head_dim", where)
-        rope = _positive_int(cfg, "qk_rope_head_dim", where)
-        fields.update(
-            attention="mla",
-            kv_lora_rank=_positive_int(cfg, "kv_lora_rank", where),
-            qk_rope_head_dim=rope,
-            head_dim=nope + rope,
-            v_head_dim=cfg.get("v_head_dim") or None,
-            layer_types=["mla"] * num_layers,
-        )
-        return _build(fields, where)
-
-    head_dim = _head_dim(cfg, num_heads, where)
-    global_head_dim = cfg.get("global_head_dim")
-    types = _layer_types(cfg, num_layers, where)
-    window = cfg.get("sliding_window") if "sliding" in types else None
-    if "sliding" in types and not window:
-        raise InputError(
-            f"{where}: the config declares sliding-window layers but `sliding_window` is "
-            f"{cfg.get('sliding_window')!r}. Add the window size in tokens as `sliding_window`."
-        )
-    shared = int(cfg.get("num_kv_shared_layers") or 0)
-    if shared:
-        if not 0 < shared < num_layers:
-            raise InputError(
-                f"{where}: `num_kv_shared_layers` is {shared}, but it must be between 1 and "
-                f"num_hidden_layers - 1 ({num_layers - 1}). Fix the value or remove the key."
-            )
-        types = [t if i < num_layers - shared else "shared" for i, t in enumerate(types)]
-    fields.update(
-        attention=_attention_kind(num_heads, num_kv_heads),
-        head_dim=head_dim,
-        full_head_dim=global_head_dim if global_head_dim and global_head_dim != head_dim else None,
-        sliding_window=window,
-        layer_types=types,
-    )
+    if meta:
+        fields.update({k: v for k, v in meta.items() if v is not None})
     return _build(fields, where)
 
 
@@ -229,6 +247,13 @@ def _decoder_config(config: dict[str, Any]) -> tuple[dict[str, Any], str | None]
     return config, None
 
 
+def _model_dtype(config: dict[str, Any], cfg: dict[str, Any]) -> str:
+    """`--dtype auto` (config/model.py _resolve_auto_dtype): bf16/fp16 kept, float32 -> bfloat16 on SM80+."""
+    raw = config.get("torch_dtype") or config.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    raw = str(raw).removeprefix("torch.")
+    return "float16" if raw == "float16" else "bfloat16"
+
+
 def _positive_int(cfg: dict[str, Any], key: str, where: str) -> int:
     value = cfg.get(key)
     if value is None:
@@ -242,88 +267,49 @@ def _positive_int(cfg: dict[str, Any], key: str, where: str) -> int:
     return int(value)
 
 
-def _head_dim(cfg: dict[str, Any], num_heads: int, where: str) -> int:
-    for key in ("head_dim", "attention_head_dim"):
-        if cfg.get(key):
-            return _positive_int(cfg, key, where)
-    hidden = cfg.get("hidden_size")
-    if not hidden:
-        raise InputError(
-            f"{where}: neither `head_dim` nor `hidden_size` is set, so the head dimension is unknown. "
-            "Add `head_dim` (or `hidden_size`, from which head_dim = hidden_size / num_attention_heads)."
-        )
-    return _positive_int(cfg, "hidden_size", where) // num_heads
-
-
 def _attention_kind(num_heads: int, num_kv_heads: int) -> str:
     if num_kv_heads == num_heads:
         return "mha"
     return "mqa" if num_kv_heads == 1 else "gqa"
 
 
-def _has_sinks(config: dict[str, Any], cfg: dict[str, Any]) -> bool:
-    """gpt-oss learns a sink logit per head; its configs say so only through the model type."""
-    types = {str(config.get("model_type")), str(cfg.get("model_type"))}
+def _has_sinks(config: dict[str, Any], cfg: dict[str, Any], model_type: str) -> bool:
+    """Learned sink logits: gpt-oss (model type only), MiMo-V2's SWA layers (add_swa_attention_sink_bias)."""
     archs = [str(a) for a in (config.get("architectures") or []) if a]
-    return "gpt_oss" in types or any(a.startswith("GptOss") for a in archs)
+    if "gpt_oss" in (model_type, str(config.get("model_type"))) or any(a.startswith("GptOss") for a in archs):
+        return True
+    return bool(cfg.get("add_swa_attention_sink_bias") or cfg.get("add_full_attention_sink_bias"))
 
 
-def _layer_types(cfg: dict[str, Any], num_layers: int, where: str) -> list[LayerKind]:
-    """Per-layer cache kind from whichever spelling the config uses; all full when none."""
-    for key, kinds in (("layer_types", _LAYER_TYPE_KINDS), ("layers_block_type", _BLOCK_TYPE_KINDS)):
-        listed = cfg.get(key)
-        if isinstance(listed, list) and listed:
-            return _mapped(listed, kinds, key, num_layers, where)
-    pattern = cfg.get("hybrid_override_pattern")
-    if isinstance(pattern, str) and pattern:
-        return _mapped(list(pattern), _PATTERN_KINDS, "hybrid_override_pattern", num_layers, where)
-    period = cfg.get("attn_layer_period")
-    if period:
-        # Jamba: attention where index % period == offset, Mamba elsewhere.
-        offset = int(cfg.get("attn_layer_offset") or 0)
-        return ["full" if i % int(period) == offset else "linear" for i in range(num_layers)]
-    interval = cfg.get("full_attention_interval")
-    if interval and cfg.get("linear_num_value_heads"):
-        # Qwen3-Next without an explicit list: every interval-th layer is full attention.
-        return ["full" if (i + 1) % int(interval) == 0 else "linear" for i in range(num_layers)]
-    attn_idxs = cfg.get("full_attn_idxs")
-    if isinstance(attn_idxs, list):
-        # LFM2: attention at the listed indices, short convolutions elsewhere.
-        return ["full" if i in set(attn_idxs) else "linear" for i in range(num_layers)]
-    window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window") is False:
-        return ["full"] * num_layers
-    every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-    if every:
-        # Gemma 2/3, Cohere2: every `every`-th layer (index every-1, 2*every-1, ...) is global.
-        return ["full" if (i + 1) % int(every) == 0 else "sliding" for i in range(num_layers)]
-    if cfg.get("use_sliding_window") is True and "max_window_layers" in cfg:
-        # Qwen2: layers from max_window_layers on use the window.
-        first = int(cfg.get("max_window_layers") or 0)
-        return ["sliding" if i >= first else "full" for i in range(num_layers)]
-    # Mistral v0.1, Phi-3: one window on every layer.
-    return ["sliding"] * num_layers
+def _rotary_dim(cfg: dict[str, Any], head: int) -> int | None:
+    """`rope_dim_from_hf_config` (v1/attention/ops/rocm_octave.py): head_size x partial_rotary_factor."""
+    if cfg.get("rotary_dim"):
+        return int(cfg["rotary_dim"])
+    factor = cfg.get("partial_rotary_factor")
+    if factor is None:
+        rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        factor = rope.get("partial_rotary_factor", 1.0)
+    try:
+        return int(head * float(factor))
+    except (TypeError, ValueError):
+        return None
 
 
-def _mapped(
-    listed: list[Any], kinds: dict[str, LayerKind], key: str, num_layers: int, where: str
-) -> list[LayerKind]:
-    if len(listed) != num_layers:
-        raise InputError(
-            f"{where}: `{key}` lists {len(listed)} layers but num_hidden_layers is {num_layers}. "
-            "The two must agree; fix one of them."
-        )
-    out: list[LayerKind] = []
-    for i, raw in enumerate(listed):
-        kind = kinds.get(str(raw)) if key == "hybrid_override_pattern" else kinds.get(str(raw).lower())
-        if kind is None:
-            allowed = ", ".join(f"`{k}`" for k in kinds)
-            raise InputError(
-                f"{where}: `{key}[{i}]` is {raw!r}, a layer kind kvpolicy does not know. "
-                f"Known: {allowed}. Use a catalog model (`kvpolicy models`) or report the kind."
-            )
-        out.append(kind)
-    return out
+def _index_total(index: Any) -> int | None:
+    if not isinstance(index, dict):
+        return None
+    meta = index.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    return int(total) if isinstance(total, (int, float)) and not isinstance(total, bool) and total > 0 else None
+
+
+def _safetensors_files_bytes(folder: Path) -> int | None:
+    """Bytes of the *.safetensors files in the folder (weights present but no index)."""
+    try:
+        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    except OSError:
+        return None
+    return size if size > 0 else None
 
 
 def _build(fields: dict[str, Any], where: str) -> ModelArch:
@@ -336,17 +322,3 @@ def _build(fields: dict[str, Any], where: str) -> ModelArch:
             f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()[:5]
         )
         raise InputError(f"{where}: the config does not describe a valid model ({problems}). Fix those keys.") from None
-
-
-def _checkpoint_gb(folder: Path) -> float | None:
-    """Checkpoint size in GB (1e9 bytes) from the safetensors index or files, if present."""
-    index = folder / "model.safetensors.index.json"
-    try:
-        if index.is_file():
-            total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
-            if isinstance(total, (int, float)) and total > 0:
-                return round(total / 1e9, 3)
-        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    except (OSError, ValueError, AttributeError):
-        return None
-    return round(size / 1e9, 3) if size > 0 else None

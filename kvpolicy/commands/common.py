@@ -28,6 +28,21 @@ def positive_int(flag: str):  # noqa: ANN201 - argparse type factory
     return parse
 
 
+def positive_float(flag: str):  # noqa: ANN201 - argparse type factory
+    """argparse type: a positive number."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} expects a number such as 13.8, found {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive number, found {text}")
+        return value
+
+    return parse
+
+
 def unit_float(flag: str):  # noqa: ANN201 - argparse type factory
     """argparse type: a number in (0, 1]."""
 
@@ -61,6 +76,9 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, model_required: bool
                         help="lowest acceptable accuracy recovery vs BF16 (default: the policy's, 0.95)")
     parser.add_argument("--gpu-memory-utilization", type=unit_float("--gpu-memory-utilization"), default=0.92,
                         help="fraction of GPU memory vLLM may use (default 0.92)")
+    parser.add_argument("--weights-gb", type=positive_float("--weights-gb"), default=None,
+                        help="weight memory in GB (1e9 bytes), all ranks together; overrides what kvpolicy derives "
+                             "from the safetensors index or the config's shapes and quantization")
     parser.add_argument("--policy", "-p", default=None,
                         help="policy file (default: the built-in policy, builtin:default)")
 
@@ -83,7 +101,7 @@ def resolve_inputs(args: argparse.Namespace) -> Inputs:
     if not args.model or not args.gpu:
         raise InputError("--model and --gpu are required, e.g. `--model gpt-oss-20b --gpu h100`.")
     loaded = load_policy(args.policy)
-    arch = resolve_model(args.model)
+    arch = resolve_model(args.model).with_weights_gb(getattr(args, "weights_gb", None))
     gpu = resolve_gpu(args.gpu)
     workload = make_workload(
         loaded, context=args.context, priority=args.priority, concurrency=args.concurrency, tp=args.tp,

@@ -393,6 +393,8 @@ class Deployment(_Strict):
     """Accuracy floor (defaults to the policy's threshold)."""
     gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)
     """Fraction of GPU memory vLLM may use."""
+    weights_gb: float | None = Field(default=None, gt=0)
+    """Weight memory in GB (1e9 bytes), all ranks together; overrides what kvpolicy derives from the checkpoint."""
 
 
 class Policy(_Strict):

@@ -54,7 +54,8 @@ def deployment_inputs(loaded: LoadedPolicy, dep: Deployment) -> tuple[ModelArch,
 
     where = _where(loaded, dep)
     try:
-        arch = resolve_model(_model_spec(loaded, dep.model), where=f"{where}: model")
+        arch = resolve_model(_model_spec(loaded, dep.model), where=f"{where}: model").with_weights_gb(
+            dep.weights_gb, "weights_gb:")
         gpu = resolve_gpu(dep.gpu, where=f"{where}: gpu")
         workload = make_workload(loaded, context=dep.context, priority=dep.priority, concurrency=dep.concurrency,
                                  tp=dep.tp, accuracy_floor=dep.accuracy_floor,

@@ -382,3 +382,124 @@ def test_importing_the_catalog_defers_yaml_and_hfconfig():
 def test_data_files_ship_inside_the_package():
     assert catalog.MODELS_PATH.is_file() and catalog.GPUS_PATH.is_file()
     assert catalog.MODELS_PATH.parent == Path(catalog.__file__).parent / "data"
+
+
+# -- catalog entries are their config.json ------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_id", catalog.catalog_ids())
+def test_catalog_id_and_a_folder_with_its_config_give_the_same_answer(model_id: str, tmp_path: Path):
+    """`--model <id>` and `--model <folder with that config.json>` recommend the same (the catalog's known
+    checkpoint size travels as the folder's safetensors index)."""
+    import json
+    import shutil
+
+    from kvpolicy.inputs.workload import make_workload
+    from kvpolicy.outputs.recommend import recommend
+    from kvpolicy.rules.validate import load_policy
+
+    entry = catalog._catalog(catalog.CatalogEntry, catalog.MODELS_PATH)[0][model_id]
+    folder = tmp_path / model_id
+    folder.mkdir()
+    shutil.copy(catalog.CONFIGS_DIR / f"{model_id}.json", folder / "config.json")
+    quant = catalog.CONFIGS_DIR / f"{model_id}.hf_quant_config.json"
+    if quant.exists():
+        shutil.copy(quant, folder / "hf_quant_config.json")
+    if entry.checkpoint_bytes:
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": entry.checkpoint_bytes}}))
+    by_id, by_folder = resolve_model(model_id), resolve_model(str(folder))
+    assert by_id.layers == by_folder.layers and by_id.weight_bytes == by_folder.weight_bytes
+    assert (by_id.max_model_len, by_id.auto_kv_dtype, by_id.tp_rules) == \
+        (by_folder.max_model_len, by_folder.auto_kv_dtype, by_folder.tp_rules)
+    loaded = load_policy()
+    for gpu, context in (("h100", "32k"), ("b200", "128k")):
+        workload = make_workload(loaded, context=context)
+        a = recommend(by_id, resolve_gpu(gpu), workload, loaded)
+        b = recommend(by_folder.model_copy(update={"id": model_id, "family": by_id.family}), resolve_gpu(gpu),
+                      workload, loaded)
+        assert a.decision == b.decision and a.vllm_args == b.vllm_args
+        assert a.estimates.kv_bytes_per_request == b.estimates.kv_bytes_per_request
+        assert a.estimates.max_concurrency.value == b.estimates.max_concurrency.value
+
+
+# Published totals: parameters from the model cards (huggingface.co/<hf_id>) or the research files, and
+# checkpoint bytes where one is published. kvpolicy's figures come from the config's shapes and quantization.
+PUBLISHED_PARAMS_B = {
+    "llama-3.1-8b": (8.03, "safetensors index 16,060,522,496 B / 2 (research/configs/SOURCES.md)"),
+    "llama-3.1-70b": (70.6, "meta-llama/Llama-3.1-70B-Instruct model card (70.6B)"),
+    "llama-3.1-405b": (405.9, "meta-llama/Llama-3.1-405B-Instruct model card (406B)"),
+    "llama-3.3-70b": (70.6, "meta-llama/Llama-3.3-70B-Instruct model card (70.6B)"),
+    "llama-3.2-1b": (1.24, "meta-llama/Llama-3.2-1B-Instruct model card (1.24B)"),
+    "llama-3.2-3b": (3.21, "meta-llama/Llama-3.2-3B-Instruct model card (3.21B)"),
+    "llama-4-scout": (109, "meta-llama/Llama-4-Scout-17B-16E-Instruct card: 109B total (vision tower trimmed here)"),
+    "gpt-oss-20b": (20.9, "openai/gpt-oss-20b card: 21B total"),
+    "gpt-oss-120b": (116.8, "openai/gpt-oss-120b card: 117B total"),
+    "qwen3-8b": (8.2, "Qwen/Qwen3-8B card: 8.2B"),
+    "qwen3-14b": (14.8, "Qwen/Qwen3-14B card: 14.8B"),
+    "qwen3-32b": (32.8, "Qwen/Qwen3-32B card: 32.8B"),
+    "qwen3-30b-a3b": (30.5, "Qwen/Qwen3-30B-A3B card: 30.5B total"),
+    "qwen3-30b-a3b-2507": (30.5, "Qwen/Qwen3-30B-A3B-Instruct-2507 card: 30.5B total"),
+    "qwen3-30b-a3b-nvfp4": (30.5, "nvidia/Qwen3-30B-A3B-NVFP4: the 30.5B base model"),
+    "qwen3-235b-a22b": (235, "Qwen/Qwen3-235B-A22B card: 235B total"),
+    "qwen3-vl-235b-a22b": (236, "Qwen/Qwen3-VL-235B-A22B-Thinking: 236B (HF)"),
+    "qwen3-next-80b-a3b": (80, "Qwen/Qwen3-Next-80B-A3B-Thinking card: 80B total"),
+    "qwen3.5-27b": (27, "Qwen/Qwen3.5-27B card: 27B"),
+    "qwen3.5-397b-a17b": (397, "Qwen/Qwen3.5-397B-A17B card: 397B total"),
+    "qwen2.5-7b": (7.61, "Qwen/Qwen2.5-7B-Instruct card: 7.61B"),
+    "qwen2.5-72b": (72.7, "Qwen/Qwen2.5-72B-Instruct card: 72.7B"),
+    "qwen2.5-vl-7b": (8.29, "Qwen/Qwen2.5-VL-7B-Instruct: 8.29B (HF)"),
+    "mistral-7b-v0.3": (7.25, "mistralai/Mistral-7B-Instruct-v0.3: 7.25B (HF)"),
+    "mistral-small-24b": (23.6, "mistralai/Mistral-Small-24B-Instruct-2501: 23.6B (HF)"),
+    "devstral-small-2": (24, "mistralai/Devstral-Small-2-24B-Instruct-2512 card: 24B"),
+    "mixtral-8x7b": (46.7, "mistralai/Mixtral-8x7B-Instruct-v0.1: 46.7B (HF)"),
+    "gemma-3-4b": (4.3, "google/gemma-3-4b-it: 4.3B (HF)"),
+    "gemma-3-12b": (12.2, "google/gemma-3-12b-it: 12.2B (HF)"),
+    "gemma-3-27b": (27.43, "medgemma-27b-it safetensors total_size 54,864,813,280 B / 2 (same architecture)"),
+    "gemma-4-31b": (31, "google/gemma-4-31B-it card: 31B (vision tower reduced to model_type here)"),
+    "phi-4": (14.7, "microsoft/phi-4 card: 14B (14.7B HF)"),
+    "deepseek-v3": (671, "deepseek-ai/DeepSeek-V3 card: 671B main model + 14B MTP module"),
+    "deepseek-v3.2-exp": (671, "deepseek-ai/DeepSeek-V3.2-Exp: the V3.1-Terminus architecture, 671B + MTP"),
+    "kimi-k2": (1026, "moonshotai/Kimi-K2-Instruct card: 1T total (1.03T HF)"),
+    "kimi-k2.5": (1026, "moonshotai/Kimi-K2.5: the Kimi-K2 text model (1T) + MoonViT"),
+    "glm-4.7-flash": (30, "zai-org/GLM-4.7-Flash card: 30B-A3B"),
+    "glm-5": (744, "zai-org/GLM-5 card: 744B total"),
+    "glm-4.5-air": (106, "zai-org/GLM-4.5-Air card: 106B total"),
+    "glm-4.7": (355, "zai-org/GLM-4.7: the GLM-4.5 architecture, 355B total"),
+    "minimax-m2.7": (229, "MiniMaxAI/MiniMax-M2.7: 229B (code-index hit 61910720224, 'params: 229')"),
+    "mimo-v2.5": (310.78, "report with the raw config.json (research/configs/SOURCES.md): 310,775,040,000 parameters"),
+    "mimo-v2.5-pro": (1023.24, "same report series: 1,023,244,718,976 parameters"),
+    "falcon-h1-7b": (7.59, "tiiuae/Falcon-H1-7B-Instruct: 7.59B (HF)"),
+    "nemotron-nano-9b-v2": (8.89, "nvidia/NVIDIA-Nemotron-Nano-9B-v2: 8.89B (HF)"),
+    "nemotron-h-8b": (8.1, "nvidia/Nemotron-H-8B-Base-8K card: 8B"),
+    "jamba-1.5-mini": (51.6, "ai21labs/AI21-Jamba-1.5-Mini card: 52B total"),
+}
+PUBLISHED_GB = {
+    "gpt-oss-20b": (13.8, "the studies' brief: ~13.8 GB checkpoint (MXFP4 experts)"),
+    "gpt-oss-120b": (65.0, "the studies' brief: ~65 GB checkpoint"),
+    "kimi-k2.5": (596, "Kimi-K2.6 card (same architecture and INT4 scheme): ~555 GiB = 596 GB"),
+    "mimo-v2.5": (315.0, "293.40 GiB of safetensors (research report) = 315.0 GB"),
+    "mimo-v2.5-pro": (1033.4, "962.42 GiB of safetensors (research report) = 1033.4 GB"),
+    "gemma-3-27b": (54.86, "medgemma-27b-it total_size 54,864,813,280 B (same architecture)"),
+}
+NO_PUBLISHED = {
+    "gemma-4-e2b": "the bundled config has no vision/audio towers: 4.69B of the card's 5.1B",
+    "hy3": "no published size found for tencent/Hy3-FP8",
+}
+
+
+def test_every_catalog_model_has_a_published_size_or_a_reason():
+    assert set(catalog.catalog_ids()) == set(PUBLISHED_PARAMS_B) | set(NO_PUBLISHED)
+
+
+@pytest.mark.parametrize("model_id", sorted(PUBLISHED_PARAMS_B))
+def test_weights_are_within_3_percent_of_the_published_size(model_id: str):
+    arch = resolve_model(model_id)
+    params, source = PUBLISHED_PARAMS_B[model_id]
+    assert arch.params_b == pytest.approx(params, rel=0.03), source
+    if model_id in PUBLISHED_GB:
+        gb, source = PUBLISHED_GB[model_id]
+        assert arch.weight_bytes / 1e9 == pytest.approx(gb, rel=0.03), source
+    elif "bf16" in arch.weights_basis:
+        # BF16 checkpoints: 2 bytes per published parameter.
+        assert arch.weight_bytes == pytest.approx(params * 2e9, rel=0.03), source

@@ -139,3 +139,32 @@ def test_startup_loads_no_heavy_modules(argv):
     code, _, heavy = out.stdout.strip().partition(" ")
     assert code == "0"
     assert heavy == "", f"loaded {heavy}"
+
+
+def test_weights_gb_overrides_the_derived_weights(capsys):
+    code, out, _ = run_cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpu", "h100", "--format", "json")
+    base = Recommendation.model_validate_json(out)
+    code, out, _ = run_cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpu", "h100", "--format", "json",
+                           "--weights-gb", "40")
+    assert code == 0
+    heavy = Recommendation.model_validate_json(out)
+    assert "--weights-gb 40 (override" in heavy.estimates.max_concurrency.basis
+    assert "weights 40.0 GB" in heavy.estimates.max_concurrency.basis
+    # 24 GB more weights: about 24e9 / 1 MiB fewer fp8 blocks.
+    lost = (base.estimates.max_concurrency.value - heavy.estimates.max_concurrency.value) * 2048 * (1 << 20)
+    assert lost == pytest.approx(40e9 - 16_060_522_496, rel=1e-3)
+
+
+@pytest.mark.parametrize("bad", ["-3", "0", "lots", "inf", "nan"])
+def test_bad_weights_gb_is_a_usage_error(capsys, bad):
+    code, _, err = run_cli(capsys, "recommend", "--model", "llama-3.1-8b", "--gpu", "h100", "--weights-gb", bad)
+    assert code == 2 and "argument --weights-gb" in err and "Traceback" not in err
+
+
+def test_a_deployment_can_override_the_weights(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("kvpolicy.yaml").write_text("extends: builtin:default\ndeployments:\n"
+                                     "  - {name: big, model: llama-3.1-8b, gpu: h100, weights_gb: 60}\n")
+    code, out, _ = run_cli(capsys, "explain", "--deployment", "big", "--format", "json")
+    assert code == 0, out
+    assert "weights_gb: 60 (override" in json.loads(out)["estimates"]["max_concurrency"]["basis"]

@@ -302,3 +302,174 @@ def test_bad_numbers_are_reported():
         make(num_hidden_layers=2, num_attention_heads="eight", hidden_size=64)
     with pytest.raises(InputError, match="num_kv_shared_layers"):
         make(**BASE, num_kv_shared_layers=8)
+
+
+# -- per-layer geometry as vLLM's models read it ----------------------------------------------
+
+
+def test_gemma4_full_layers_take_the_global_heads_and_head_dim():
+    arch = fixture("gemma-4-31b-it")
+    full, sliding = arch.layer(5), arch.layer(0)
+    assert (full.kind, full.num_kv_heads, full.head_size, full.head_size_v) == ("full", 4, 512, 512)
+    assert (sliding.kind, sliding.num_kv_heads, sliding.head_size, sliding.window) == ("sliding", 16, 256, 1024)
+    assert arch.head_sizes == frozenset({256, 512})
+
+
+def test_mimo_swa_layers_have_their_own_heads_and_value_dim():
+    arch = fixture("mimo-v2.5")
+    swa, full = arch.layer(1), arch.layer(0)
+    assert (swa.kind, swa.num_kv_heads, swa.head_size, swa.head_size_v, swa.window) == ("sliding", 8, 192, 128, 128)
+    assert (full.kind, full.num_kv_heads, full.head_size, full.head_size_v) == ("full", 4, 192, 128)
+    assert arch.has_attention_sinks  # add_swa_attention_sink_bias
+
+
+def test_llama4_nope_layers_are_global_and_the_rest_chunked():
+    arch = fixture("llama-4-scout-17b-16e-instruct")
+    assert [s.index for s in arch.layers if s.kind == "full"] == list(range(3, 48, 4))
+    assert {s.chunk for s in arch.layers if s.kind == "chunked"} == {8192}
+    assert arch.layer_types.count("full") == 48  # the summary counts chunked layers as full attention
+
+
+def test_falcon_h1_has_attention_and_mamba_in_every_layer_and_is_hybrid():
+    arch = fixture("falcon-h1-0.5b")
+    assert arch.count("full") == 36 and arch.count("mamba") == 36
+    assert arch.is_hybrid and arch.has_recurrent_state
+    state = next(s.state for s in arch.layers if s.state)
+    assert state.shapes(1) == ((3, 1536 + 2 * 128), (24, 64, 128)) and state.dtypes() == ("bfloat16", "bfloat16")
+
+
+def test_sparse_mla_has_an_indexer_in_every_layer():
+    arch = fixture("deepseek-v3.2-exp-ptpc")
+    assert arch.is_sparse_mla and all(s.indexer_head_dim == 128 for s in arch.layers)
+    assert not fixture("deepseek-v3").is_sparse_mla
+
+
+def test_gdn_and_mamba_state_dtypes_follow_vllm():
+    nemotron = next(s.state for s in fixture("nemotron-h-8b").layers if s.state)
+    assert nemotron.dtypes() == ("bfloat16", "float32")  # NemotronH: mamba_ssm_cache_dtype float32 by default
+    qwen_next = next(s.state for s in fixture("qwen3-next-80b-a3b-thinking").layers if s.state)
+    assert qwen_next.dtypes() == ("bfloat16", "bfloat16")  # not in MODELS_CONFIG_MAP: the model dtype
+    assert qwen_next.shapes(1) == ((3, 2 * 16 * 128 + 32 * 128), (32, 128, 128))
+    config = json.loads((FIXTURES / "qwen3.5-27b" / "config.json").read_text())
+    config["text_config"]["mamba_ssm_dtype"] = "float32"
+    qwen35 = next(s.state for s in arch_from_hf_config(config, "q", "x").layers if s.state)
+    assert qwen35.dtypes() == ("bfloat16", "float32")  # Qwen3.5 copies mamba_ssm_dtype
+
+
+FAMILIES = {
+    "llama-3.1-8b-instruct": "llama", "llama-4-scout-17b-16e-instruct": "llama", "gpt-oss-20b": "gpt-oss",
+    "glm-4.5-air": "glm", "glm-4.7-flash": "glm", "glm-5-fp8": "glm", "phi-4": "phi", "qwen2.5-vl-7b-instruct": "qwen2",
+    "qwen3-vl-235b-a22b-thinking": "qwen3", "qwen3-30b-a3b": "qwen3", "qwen3-next-80b-a3b-thinking": "qwen3.5",
+    "qwen3.5-27b": "qwen3.5", "qwen3.5-397b-a17b": "qwen3.5", "mimo-v2.5": "mimo", "falcon-h1-7b-instruct": "falcon",
+    "ai21-jamba-1.5-mini": "jamba", "nemotron-h-8b": "nemotron", "minimax-m2": "minimax", "kimi-k2-instruct": "kimi",
+    "kimi-k2.5": "kimi", "deepseek-v3.2-exp-ptpc": "deepseek", "gemma-3-12b-it": "gemma", "gemma-4-31b-it": "gemma",
+    "devstral-small-2-24b-instruct": "mistral", "mixtral-8x7b": "mistral", "hy3-fp8": "hunyuan",
+}
+
+
+@pytest.mark.parametrize(("folder", "family"), sorted(FAMILIES.items()))
+def test_every_fixture_model_type_maps_to_a_family(folder: str, family: str):
+    assert fixture(folder).family == family
+
+
+# -- limits vLLM derives --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("folder", "limit"),
+    [
+        ("phi-4", 16384), ("mistral-7b-instruct-v0.3", 32768), ("qwen3-30b-a3b", 40960),
+        ("qwen3-30b-a3b-instruct-2507", 262144), ("llama-3.1-8b-instruct", 131072),  # llama3 factor not applied
+        ("gpt-oss-20b", 131072), ("deepseek-v3", 163840),  # yarn factor not applied
+        ("gemma-3-12b-it", 131072),  # Gemma-3: linear factor 8 not applied
+        ("qwen2.5-vl-7b-instruct", 128000), ("llama-4-scout-17b-16e-instruct", 10485760),
+        ("devstral-small-2-24b-instruct", 393216), ("nemotron-h-8b", 8192), ("falcon-h1-0.5b", 16384),
+    ],
+)
+def test_max_model_len_as_vllm_derives_it(folder: str, limit: int):
+    arch = fixture(folder)
+    assert arch.max_model_len == limit, arch.max_model_len_basis
+    assert "max_position_embeddings" in arch.max_model_len_basis
+
+
+def test_rope_factors_that_count_and_those_that_do_not():
+    assert make(**BASE, max_position_embeddings=4096, rope_scaling={"type": "linear", "factor": 4.0}).max_model_len \
+        == 16384
+    assert make(**BASE, max_position_embeddings=4096, rope_scaling={"rope_type": "dynamic", "factor": 2}) \
+        .max_model_len == 8192
+    assert make(**BASE, max_position_embeddings=32768, rope_scaling={"type": "yarn", "factor": 4}).max_model_len \
+        == 32768
+    assert make(**BASE, max_position_embeddings=131072, rope_scaling={"rope_type": "llama3", "factor": 8}) \
+        .max_model_len == 131072
+    longrope = make(**BASE, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                    rope_scaling={"type": "su", "factor": 32})
+    assert longrope.max_model_len == 131072 and "original_max_position_embeddings=4096" in longrope.max_model_len_basis
+    # The smallest key wins; model_max_length overrides.
+    assert make(**BASE, max_position_embeddings=8192, seq_length=4096).max_model_len == 4096
+    cohere = make(**BASE, max_position_embeddings=8192, model_max_length=131072)
+    assert cohere.max_model_len == 131072 and cohere.max_model_len_basis.startswith("model_max_length")
+    assert make(**BASE).max_model_len == 2048  # no key at all
+
+
+@pytest.mark.parametrize(
+    ("folder", "tp", "ok"),
+    [
+        ("llama-3.1-8b-instruct", 3, False),  # 32 heads, 8 KV heads: 3 divides neither
+        ("llama-3.1-8b-instruct", 16, True),  # 16 > 8 KV heads: replicated
+        ("phi-4", 8, False),  # 10 KV heads
+        ("phi-4", 2, True),
+        ("qwen2.5-vl-7b-instruct", 8, False),  # 28 query heads
+        ("gpt-oss-20b", 16, False),  # gpt-oss divides KV heads without max(1, ...)
+        ("gpt-oss-20b", 8, True),
+        ("qwen3-next-80b-a3b-thinking", 32, False),  # 16 attention heads; GDN key heads 16
+        ("qwen3-next-80b-a3b-thinking", 8, True),
+        ("falcon-h1-7b-instruct", 8, False),  # 12 attention heads
+        ("nemotron-h-8b", 8, True),
+        ("deepseek-v3", 16, True),  # MLA: only the 128 query heads count
+        ("deepseek-v3", 3, False),
+    ],
+)
+def test_tp_rules_follow_vllm(folder: str, tp: int, ok: bool):
+    arch = fixture(folder)
+    err = arch.tp_error(tp)
+    assert (err is None) == ok, err
+    if not ok:
+        assert f"--tp {tp}" in err and "Valid tensor-parallel sizes" in err
+        assert str(tp) not in err.split("sizes up to")[1].split(":")[1].split(", ")
+
+
+def test_valid_tp_sizes():
+    assert fixture("llama-3.1-8b-instruct").valid_tp_sizes(16) == [1, 2, 4, 8, 16]
+    assert fixture("phi-4").valid_tp_sizes(8) == [1, 2, 5]  # 40 query and 10 KV heads
+    assert fixture("gpt-oss-20b").valid_tp_sizes(16) == [1, 2, 4, 8]
+
+
+# -- the checkpoint's KV scheme ---------------------------------------------------------------------
+
+
+def test_modelopt_hf_quant_config_turns_auto_into_fp8():
+    arch = fixture("qwen3-30b-a3b-nvfp4")
+    assert arch.kv_cache_scheme is not None and arch.kv_cache_scheme.algo == "FP8"
+    assert "hf_quant_config.json" in arch.kv_cache_scheme.source
+    assert arch.auto_kv_dtype == "fp8_e4m3"
+    assert "NVFP4" in arch.weights_basis
+
+
+def test_fp8_checkpoint_with_static_kv_scales_keeps_auto_as_the_model_dtype():
+    arch = fixture("hy3-fp8")
+    assert arch.kv_cache_scheme is not None and arch.kv_cache_scheme.method == "fp8"
+    assert arch.auto_kv_dtype == "auto" and "--kv-cache-dtype fp8" in arch.auto_kv_basis
+
+
+def test_compressed_tensors_attn_head_scheme_is_read():
+    cfg = {**BASE, "quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {
+        "num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False, "symmetric": True}}}
+    arch = make(**cfg)
+    assert arch.kv_cache_scheme.strategy == "attn_head" and arch.auto_kv_dtype == "fp8"
+    assert make(**BASE).kv_cache_scheme is None and make(**BASE).auto_kv_dtype == "auto"
+
+
+def test_modelopt_inline_nvfp4_kv_scheme():
+    cfg = {**BASE, "quantization_config": {"quant_method": "modelopt", "producer": {"name": "modelopt"},
+                                           "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "NVFP4"}}}
+    assert make(**cfg).auto_kv_dtype == "nvfp4"

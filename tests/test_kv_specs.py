@@ -447,3 +447,66 @@ def test_vllm_refuses_the_mimo_skip_page_too(vllm_results):
                           text=True, env=env, timeout=600)
     out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("{")))
     assert "error" in out and out["error"].startswith("AssertionError"), out
+
+
+# -- the config as transformers reads it (vLLM reads the transformers config object) -----------------
+
+_TRANSFORMERS_PROBE = r"""
+import glob, json, os, sys
+from transformers import AutoConfig
+for folder in sorted(glob.glob(sys.argv[1] + "/*/")):
+    name = os.path.basename(folder[:-1])
+    try:
+        text = AutoConfig.from_pretrained(folder).get_text_config()
+    except Exception as exc:
+        print(json.dumps({"name": name, "skip": type(exc).__name__})); continue
+    def get(key):
+        try: return getattr(text, key, None)
+        except Exception: return None
+    per_layer = None
+    try:
+        per_layer = [[c.head_dim, c.num_key_value_heads] for c in text.per_layer_config]
+    except Exception:
+        pass
+    print(json.dumps({"name": name, "layer_types": get("layer_types"), "per_layer": per_layer,
+                      "kv": get("num_key_value_heads"), "head_dim": get("head_dim"),
+                      "sliding_window": get("sliding_window"), "max_pos": get("max_position_embeddings"),
+                      "layers": get("num_hidden_layers")}))
+"""
+_KIND = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+         "linear_attention": {"gdn", "mamba"}, "hybrid": "full", "mlp": "none", "indexed_attention": "mla",
+         "attention": "full"}
+
+
+def test_layer_kinds_heads_and_dims_match_transformers_config():
+    """transformers (the version vLLM 0.33's CPU build carries) derives layer_types and per-layer geometry
+    (Gemma-4 per_layer_config) from each config; kvpolicy's layers must say the same."""
+    if not VLLM033.exists():
+        pytest.skip(f"vLLM 0.33 environment not found at {VLLM033}")
+    proc = subprocess.run([str(VLLM033), "-c", _TRANSFORMERS_PROBE, str(FIXTURES)], capture_output=True, text=True,
+                          timeout=600)
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    checked = 0
+    for row in rows:
+        if "skip" in row or row["name"] == "broken-no-layers":
+            continue
+        arch = arch_of(row["name"])
+        assert arch.num_layers == row["layers"], row["name"]
+        if row["max_pos"] is not None:
+            assert arch.max_position_embeddings == row["max_pos"], row["name"]
+        attention = {s.index: s for s in arch.layers if s.kind in ("full", "sliding", "chunked", "mla", "shared")}
+        if isinstance(row["layer_types"], list):
+            for i, kind in enumerate(row["layer_types"]):
+                want = _KIND[kind]
+                mine = {s.kind for s in arch.layers if s.index == i}
+                if arch.layer_types[i] == "shared":
+                    continue
+                assert (mine & want) if isinstance(want, set) else (want in mine), (row["name"], i, kind, mine)
+        if row["per_layer"]:
+            for i, (hd, kv) in enumerate(row["per_layer"]):
+                if i in attention and attention[i].kind not in ("shared", "mla") and hd:  # MLA caches the latent
+                    assert (attention[i].head_size, attention[i].num_kv_heads) == (hd, kv), (row["name"], i)
+        elif row["head_dim"] and arch.attention != "mla" and not row["name"].startswith("mimo"):
+            assert arch.head_dim == row["head_dim"] and arch.num_kv_heads == row["kv"], row["name"]
+        checked += 1
+    assert checked >= 30

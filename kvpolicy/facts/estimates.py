@@ -227,9 +227,9 @@ class Figures:
         """How the KV budget per rank is modelled, with its inputs."""
         arch, gpu, wl = self.arch, self.gpu, self.workload
         return (f"modelled budget {gpu.memory_gib:g} GiB x {wl.gpu_memory_utilization:g} - weights "
-                f"{arch.weight_bytes / 1e9:.1f} GB / tp {wl.tp} ({arch.weight_basis}) - reserve "
-                f"{RUNTIME_RESERVE_GIB:g} GiB (vLLM profiles activations and CUDA graphs) = "
-                f"{self.budget / GIB:.1f} GiB per rank")
+                f"{arch.weight_bytes / 1e9:.1f} GB / tp {wl.tp} - reserve {RUNTIME_RESERVE_GIB:g} GiB = "
+                f"{self.budget / GIB:.1f} GiB per rank (weights: {arch.weight_basis}; the reserve stands for what "
+                "vLLM profiles at start-up: activations, CUDA graphs)")
 
     def break_even(self, dtype: str, skip_layers: list[str] | tuple[str, ...], facts: dict[str, Any]) -> Estimate:
         """Break-even context of a variant against BF16."""
@@ -276,8 +276,9 @@ def estimate(figures: Figures, kv_cache_dtype: str, skip_layers: list[str], fact
         max_concurrency=Estimate(
             value=round(cap.max_concurrency, 2), unit="requests", provenance="modelled",
             basis=f"vLLM logs \"Maximum concurrency for {ctx:,} tokens per request: {cap.max_concurrency:.2f}x\": "
-                  f"{cap.num_blocks:,} blocks / {kv_plan.blocks_per_request:,} per request ({per_req:,} bytes"
-                  f"{state_text}); BF16 {cap_bf16.max_concurrency:.2f}x; {budget_basis}"),
+                  f"{cap.num_blocks:,} blocks / {kv_plan.blocks_per_request:,} per request = {per_req:,} bytes per "
+                  f"request ({kv_plan.describe()}{state_text}); BF16 {cap_bf16.max_concurrency:.2f}x; "
+                  "the budget of KV capacity"),
         itl_slope_ratio=slope_ratio(figures.policy, figures.itl, layout, bf16, kv_cache_dtype, skip_layers, facts),
         kernel_slope_ratio=kernel_slope(figures.kernel_figure(kv_cache_dtype)),
         break_even_tokens=figures.break_even(kv_cache_dtype, skip_layers, facts),
@@ -286,6 +287,5 @@ def estimate(figures: Figures, kv_cache_dtype: str, skip_layers: list[str], fact
 
 
 def _capacity_basis(kv_plan: KvPlan, cap: Capacity, budget_basis: str) -> str:
-    return (f"vLLM's \"GPU KV cache size\" = int({cap.max_concurrency:.2f} x {kv_plan.max_model_len:,}): "
-            f"{cap.num_blocks:,} blocks of {kv_plan.bytes_per_block:,} bytes ({kv_plan.block_size}-token blocks); "
-            f"{budget_basis}")
+    return (f"vLLM's \"GPU KV cache size\" = int({cap.max_concurrency:.2f} x {kv_plan.max_model_len:,}) with "
+            f"{cap.num_blocks:,} blocks of {kv_plan.bytes_per_block:,} bytes; {budget_basis}")

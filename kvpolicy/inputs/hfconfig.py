@@ -176,12 +176,15 @@ def arch_from_hf_config(config: dict[str, Any], model_id: str, source: str, *,
     mods = hf_weights.modules(cfg, config, layers, model_type=model_type, num_heads=num_heads)
     wscheme = hf_weights.scheme(q)
     shape_bytes, params = hf_weights.weights_bytes(mods, wscheme)
+    mtp = int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers")
+              or (cfg.get("num_mtp_modules") if cfg.get("use_mtp") else 0) or 0)
+    mtp_note = f"; {mtp} MTP layer{'s' if mtp > 1 else ''} left out (vLLM's main model skips them)" if mtp else ""
     if checkpoint_bytes is not None:
         w_bytes, w_basis = checkpoint_bytes
         w_basis += f"; the config's shapes give {shape_bytes / 1e9:.1f} GB ({params / 1e9:.2f}B parameters, {wscheme.label})"
     else:
         w_bytes = shape_bytes
-        w_basis = f"config shapes: {params / 1e9:.2f}B parameters, {wscheme.label} (MTP layers left out)"
+        w_basis = f"config shapes: {params / 1e9:.2f}B parameters, {wscheme.label}{mtp_note}"
     if weights_gb is not None:
         w_basis = f"--weights-gb {weights_gb:g} (override; {w_basis})"
 

@@ -473,3 +473,46 @@ def test_modelopt_inline_nvfp4_kv_scheme():
     cfg = {**BASE, "quantization_config": {"quant_method": "modelopt", "producer": {"name": "modelopt"},
                                            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "NVFP4"}}}
     assert make(**cfg).auto_kv_dtype == "nvfp4"
+
+
+# -- weights: each scheme's bytes per element -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("quant", "n", "k", "expected"),
+    [
+        # fp8 128x128 blocks: 1 byte + one fp32 scale per block (Fp8LinearMethod).
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, 4096, 4096, 4096 * 4096 + 4 * 32 * 32),
+        ({"quant_method": "fp8"}, 4096, 4096, 4096 * 4096 + 4),
+        # GPTQ / AWQ 4-bit group 128: packed codes, fp16 scales and packed zeros per group.
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, 4096, 4096,
+         4096 * 4096 // 2 + 2 * 4096 * 32 + 4096 * 32 // 2),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, 4096, 4096,
+         4096 * 4096 // 2 + 2 * 4096 * 32 + 4096 * 32 // 2),
+        # compressed-tensors W4A16 symmetric group 32 (Kimi-K2.5): no zero points.
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+            "num_bits": 4, "type": "int", "group_size": 32, "strategy": "group", "symmetric": True}}}},
+         4096, 4096, 4096 * 4096 // 2 + 2 * 4096 * 128),
+        # NVFP4: E2M1 codes + one E4M3 scale per 16 + fp32 globals.
+        ({"quant_method": "modelopt_fp4"}, 4096, 4096, 4096 * 4096 // 2 + 4096 * 4096 // 16 + 8),
+    ],
+)
+def test_quantized_linear_bytes(quant: dict, n: int, k: int, expected: int):
+    from kvpolicy.inputs.hf_weights import scheme
+
+    assert scheme({**quant, "quant_method": quant["quant_method"]}).linear_bytes(n, k) == expected
+
+
+def test_ignore_lists_keep_modules_in_bf16():
+    from kvpolicy.inputs.hf_weights import Module, scheme, weights_bytes
+
+    mods = [Module("model.layers.0.self_attn.q_proj", linears=[(1024, 1024)]),
+            Module("model.layers.0.mlp.experts", linears=[(1024, 1024)], count=4, experts=True),
+            Module("lm_head", linears=[(1024, 1024)])]
+    fp8 = scheme({"quant_method": "fp8", "ignored_layers": ["model.layers.0.self_attn.q_proj"]})
+    assert weights_bytes(mods, fp8)[0] == 2 * 1024 * 1024 + 4 * (1024 * 1024 + 4) + 2 * 1024 * 1024
+    mx = scheme({"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]})
+    assert weights_bytes(mods, mx)[0] == 2 * 1024 * 1024 + 4 * (1024 * 1024 // 2 + 1024 * 1024 // 32) + 2 * 1024 * 1024
+    ct = scheme({"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*self_attn.*"],
+                 "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "group_size": 32}}}})
+    assert weights_bytes(mods, ct)[0] == 2 * 1024 * 1024 + 4 * (1024 * 1024 // 2 + 2 * 1024 * 32) + 2 * 1024 * 1024

@@ -148,8 +148,8 @@ def test_weights_gb_overrides_the_derived_weights(capsys):
                            "--weights-gb", "40")
     assert code == 0
     heavy = Recommendation.model_validate_json(out)
-    assert "--weights-gb 40 (override" in heavy.estimates.max_concurrency.basis
-    assert "weights 40.0 GB" in heavy.estimates.max_concurrency.basis
+    assert "--weights-gb 40 (override" in heavy.estimates.kv_capacity_tokens.basis
+    assert "weights 40.0 GB" in heavy.estimates.kv_capacity_tokens.basis
     # 24 GB more weights: about 24e9 / 1 MiB fewer fp8 blocks.
     lost = (base.estimates.max_concurrency.value - heavy.estimates.max_concurrency.value) * 2048 * (1 << 20)
     assert lost == pytest.approx(40e9 - 16_060_522_496, rel=1e-3)
@@ -167,4 +167,4 @@ def test_a_deployment_can_override_the_weights(tmp_path, capsys, monkeypatch):
                                      "  - {name: big, model: llama-3.1-8b, gpu: h100, weights_gb: 60}\n")
     code, out, _ = run_cli(capsys, "explain", "--deployment", "big", "--format", "json")
     assert code == 0, out
-    assert "weights_gb: 60 (override" in json.loads(out)["estimates"]["max_concurrency"]["basis"]
+    assert "weights_gb: 60 (override" in json.loads(out)["estimates"]["kv_capacity_tokens"]["basis"]

@@ -132,6 +132,16 @@ class LayerSpec(_Frozen):
     replicate_kv: bool = True
     """KV heads per rank are max(1, heads // tp) (False: gpt-oss's plain heads // tp)."""
 
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Recurrent state shapes per request before TP (empty for attention modules)."""
+        return self.state.shapes(1) if self.state is not None else ()
+
+    @property
+    def state_dtypes(self) -> tuple[str, ...]:
+        """Element types of `state_shapes`."""
+        return self.state.dtypes() if self.state is not None else ()
+
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads one TP rank stores (MLA: the whole latent on every rank)."""
         if self.kind == "mla":

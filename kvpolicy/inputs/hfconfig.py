@@ -125,19 +125,16 @@ def load_hf_config(path: str | Path, *, model_id: str | None = None, weights_gb:
         )
     if model_id is None:
         model_id = (folder.resolve().name or "local-model") if file.name == "config.json" else file.stem
-    index = read_json(folder / "model.safetensors.index.json", required=False) if file.name == "config.json" else None
-    hf_quant = read_json(folder / "hf_quant_config.json", required=False) if file.name == "config.json" else None
-    index_bytes = _index_total(index)
-    source = str(file)
-    if index_bytes is None and file.name == "config.json":
-        index_bytes = _safetensors_files_bytes(folder)
-        if index_bytes is not None:
-            source_weights = f"*.safetensors files in {folder} ({index_bytes:,} bytes)"
-            return arch_from_hf_config(config, model_id, source, hf_quant_config=hf_quant,
-                                       checkpoint_bytes=(index_bytes, source_weights), weights_gb=weights_gb)
-    weights = (index_bytes, f"model.safetensors.index.json total_size ({index_bytes:,} bytes)") \
-        if index_bytes is not None else None
-    return arch_from_hf_config(config, model_id, source, hf_quant_config=hf_quant, checkpoint_bytes=weights,
+    weights = None
+    hf_quant = None
+    if file.name == "config.json":
+        hf_quant = read_json(folder / "hf_quant_config.json", required=False)
+        total = _index_total(read_json(folder / "model.safetensors.index.json", required=False))
+        if total is not None:
+            weights = (total, f"model.safetensors.index.json total_size ({total:,} bytes)")
+        elif (files := _safetensors_files_bytes(folder)) is not None:
+            weights = (files, f"*.safetensors files in {folder} ({files:,} bytes)")
+    return arch_from_hf_config(config, model_id, str(file), hf_quant_config=hf_quant, checkpoint_bytes=weights,
                                weights_gb=weights_gb)
 
 

@@ -11,7 +11,7 @@ read from disk: models and GPUs resolve against the catalogs only.
 
 One evaluation (a few hundred microseconds of CPU) runs on the event loop: in
 one process under the GIL a thread pool adds hand-offs and no parallelism, and
-measured slower (bench/RESULTS_SERVE.md). A `/v1/check` batch goes to a thread
+measured slower (bench/RESULTS.md). A `/v1/check` batch goes to a thread
 so that one large batch cannot stall every other client.
 """
 

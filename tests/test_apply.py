@@ -320,6 +320,18 @@ def test_deployment_from_the_policy(capsys, no_vllm, tmp_path):
     assert code == 2 and "chat" in err
 
 
+@pytest.mark.parametrize("command", ["apply", "calibrate", "explain"])
+def test_deployment_reads_kvpolicy_yaml_in_this_folder(capsys, no_vllm, tmp_path, monkeypatch, command):
+    (tmp_path / "kvpolicy.yaml").write_text("version: 1\nextends: builtin:default\ndeployments:\n"
+                                            "  - {name: chat, model: qwen3-30b-a3b, gpu: h100, context: 256k}\n")
+    monkeypatch.chdir(tmp_path)
+    extra = {"apply": ["--dry-run"], "calibrate": ["--emit-recipe", "r.yaml"], "explain": []}[command]
+    code, out, err = run_cli(capsys, command, "-d", "chat", *extra)
+    assert code == 0, err
+    said = out + err + ((tmp_path / "r.yaml").read_text() if command == "calibrate" else "")
+    assert "qwen3-30b-a3b" in said and ("262144" in said or "262,144" in said or command == "calibrate")
+
+
 # -- calibrate --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("strategy", ["tensor", "attn_head"])

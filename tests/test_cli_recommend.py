@@ -49,6 +49,20 @@ def test_yaml_format_parses(capsys):
     assert data["workload"]["context_tokens"] == 6144
 
 
+def test_yaml_format_reads_the_same_in_yaml_1_1(capsys):
+    """`two_level_accumulation: on` unquoted is True to PyYAML (YAML 1.1); the words must stay strings."""
+    from kvpolicy.outputs.render import to_yaml
+
+    code, out, _ = run_cli(capsys, "recommend", "-m", "gpt-oss-20b", "-g", "h100", "--format", "yaml")
+    assert code == 0
+    yaml11 = YAML(typ="safe", pure=True)
+    yaml11.version = (1, 1)
+    for load in (YAML(typ="safe").load, yaml11.load):
+        assert load(out)["decision"]["two_level_accumulation"] == "on"
+    words = {"a": ["on", "off", "yes", "No", "y", "null", "~", "1:30", "plain", "12"]}
+    assert yaml11.load(to_yaml(words)) == words == YAML(typ="safe").load(to_yaml(words))
+
+
 def test_table_shows_decision_command_and_rules(capsys):
     code, out, _ = run_cli(capsys, "recommend", "--model", "gpt-oss-20b", "--gpu", "h100")
     assert code == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shlex
 import sys
 from typing import Any
@@ -22,14 +23,29 @@ def to_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=False)
 
 
-def to_yaml(data: Any) -> str:
-    """Block-style YAML of a pydantic model or plain data."""
-    from ruamel.yaml import YAML
+# Plain scalars that YAML 1.1 readers (PyYAML, which vLLM's --config loader uses) take for booleans, null
+# or base-60 numbers, though YAML 1.2 reads them as strings: written quoted, they stay strings everywhere.
+_YAML11_SPECIAL = re.compile(r"(?:y|Y|yes|Yes|YES|n|N|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF"
+                             r"|~|null|Null|NULL|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)")
 
+
+def to_yaml(data: Any) -> str:
+    """Block-style YAML of a pydantic model or plain data, read the same by YAML 1.1 and 1.2 readers."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.representer import SafeRepresenter
+
+    class _Representer(SafeRepresenter):
+        def represent_str(self, value: str) -> Any:
+            if _YAML11_SPECIAL.fullmatch(value):
+                return self.represent_scalar("tag:yaml.org,2002:str", value, style="'")
+            return super().represent_str(value)
+
+    _Representer.add_representer(str, _Representer.represent_str)
     if hasattr(data, "model_dump"):
         data = data.model_dump(mode="json")
     out = io.StringIO()
     yaml = YAML(typ="safe", pure=True)
+    yaml.Representer = _Representer
     yaml.default_flow_style = False
     yaml.sort_base_mapping_type_on_output = False  # type: ignore[attr-defined]
     yaml.dump(data, out)

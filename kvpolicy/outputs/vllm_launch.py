@@ -156,20 +156,13 @@ def config_mapping(model: str, args: list[str]) -> dict[str, object]:
 
 def config_yaml(model: str, args: list[str], *, header: str = "", env: dict[str, str] | None = None) -> str:
     """The YAML file `vllm serve --config FILE` reads; comments say what it cannot hold (environment)."""
-    import io
-
-    from ruamel.yaml import YAML
+    from kvpolicy.outputs.render import to_yaml
 
     lines = [f"# {line}" for line in header.splitlines()]
     if env:
         lines.append("# Set in the environment before starting vLLM (a config file cannot): "
                      + " ".join(f"{k}={v}" for k, v in env.items()))
-    out = io.StringIO()
-    yaml = YAML(typ="safe", pure=True)
-    yaml.default_flow_style = False
-    yaml.sort_base_mapping_type_on_output = False  # type: ignore[attr-defined]
-    yaml.dump(config_mapping(model, args), out)
-    return "\n".join(lines) + ("\n" if lines else "") + out.getvalue()
+    return "\n".join(lines) + ("\n" if lines else "") + to_yaml(config_mapping(model, args))
 
 
 def exec_vllm(argv: list[str], env: dict[str, str] | None = None) -> None:

@@ -212,7 +212,7 @@ def _check(args: argparse.Namespace) -> int:
             render_check(loaded.label, [], "json")
         return EXIT_POLICY_FAILURE if args.fail_on_empty else EXIT_OK
     results = [check_deployment(loaded, d) for d in deps]
-    render_check(loaded.label, results, args.format)
+    render_check(loaded.label, results, args.format, strict=args.strict)
     if any(r["status"] == "error" for r in results):
         return EXIT_USAGE
     failed = any(r["status"] == "violation" or (args.strict and r.get("warnings")) for r in results)

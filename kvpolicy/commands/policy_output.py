@@ -170,10 +170,18 @@ def _mismatch_lines(c: Any) -> list[str]:
 # -- check -------------------------------------------------------------------------------
 
 
-def render_check(label: str, results: list[dict[str, Any]], fmt: str) -> None:
-    """Per deployment: decision, capacity, warnings and violations."""
+def render_check(label: str, results: list[dict[str, Any]], fmt: str, strict: bool = False) -> None:
+    """Per deployment: decision, capacity, warnings and violations.
+
+    JSON is the document `POST /v1/check` answers (schemas/serve-check-response.schema.json), so a script
+    reads the CLI and the service alike.
+    """
     if fmt == "json":
-        dump_json({"policy": label, "deployments": results})
+        from kvpolicy.service.api import check_response, check_result
+
+        doc = check_response(label, "policy", [check_result(r["name"], r, "deployment_error") for r in results],
+                             strict=strict)
+        echo(doc.model_dump_json(indent=2))
         return
     for r in results:
         where = (r["file"], r["line"], r["col"])
@@ -209,9 +217,21 @@ def render_check(label: str, results: list[dict[str, Any]], fmt: str) -> None:
         for a in r.get("advice", []):
             echo(f"      advice: {a}")
     if fmt != "github":
-        bad = sum(r["status"] != "ok" for r in results)
-        echo(f"{len(results)} deployment{'s' * (len(results) != 1)} checked against {label}: "
-             f"{len(results) - bad} ok, {bad} with problems")
+        echo(check_summary(label, results, strict))
+
+
+def check_summary(label: str, results: list[dict[str, Any]], strict: bool) -> str:
+    """The last line of `check`: counts that agree with the exit code (warnings fail under --strict)."""
+    n = len(results)
+    counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "violation", "error")}
+    warned = sum(r["status"] == "ok" and bool(r.get("warnings")) for r in results)
+    parts = [f"{counts['ok'] - (warned if strict else 0)} ok"]
+    if warned:
+        parts.append(f"{warned} with warnings" + (" (failing: --strict)" if strict else ""))
+    parts.append(f"{counts['violation']} with violations")
+    if counts["error"]:
+        parts.append(f"{counts['error']} not evaluated (errors)")
+    return f"{n} deployment{'s' * (n != 1)} checked against {label}: " + ", ".join(parts)
 
 
 # -- diff --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Find vLLM, let it validate a `vllm serve` argument list, write it as a config file, exec it.
 
-vLLM may live in kvpolicy's own environment (`pip install kvpolicy[vllm]`) or in
+vLLM may live in kvpolicy's own environment (`pip install vllm`, kvpolicy's `vllm` extra) or in
 another one (`--vllm-python` / KVPOLICY_VLLM_PYTHON names its python). Either
 way kvpolicy talks to it through `kvpolicy/outputs/vllm_probe.py`, run by that python
 as a subprocess with an argument list: kvpolicy itself never imports vllm, so
@@ -34,7 +34,7 @@ PYTHON_ENV = "KVPOLICY_VLLM_PYTHON"
 _RUN_FILE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 DETECT_TIMEOUT_S = 60
 VALIDATE_TIMEOUT_S = 600
-INSTALL_HINT = ("install it with `pip install 'kvpolicy[vllm]'` (vLLM for GPUs), or point --vllm-python "
+INSTALL_HINT = ("install it with `pip install vllm` (kvpolicy's `vllm` extra; vLLM for GPUs), or point --vllm-python "
                 f"(or {PYTHON_ENV}) at the python of an environment that has vLLM")
 
 

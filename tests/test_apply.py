@@ -255,6 +255,14 @@ def test_scale_gap_reads_a_local_checkpoint(tmp_path):
     assert scale_gap(Decision(kv_cache_dtype="fp8"), "org/model") is None
 
 
+def test_the_wait_for_vllms_check_is_announced(capsys, fake_vllm):
+    code, _, err = run_cli(capsys, "apply", "-m", "gpt-oss-20b", "-g", "h100", "--dry-run")
+    assert code == 0
+    lines = err.splitlines()
+    waiting = next(i for i, line in enumerate(lines) if "checking the arguments with vllm 0.33.0" in line)
+    assert waiting < next(i for i, line in enumerate(lines) if "validated by vLLM 0.33.0" in line)
+
+
 def test_launch_execs_an_argument_list(capsys, fake_vllm):
     code, out, err = run_cli(capsys, "apply", "-m", "llama-3.1-8b-instruct", "-g", "h100", "-c", "128k",
                              "--", "--port", "8000")

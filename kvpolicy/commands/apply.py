@@ -200,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.no_validate:
         _note("not validated (--no-validate)")
     else:
+        # vLLM's import and checks take seconds (14-24 s on a small CPU machine): say what the wait is.
+        _note(f"checking the arguments with {install.distribution} {install.version} ({install.python}); vLLM takes "
+              "a while to import ...")
+        sys.stderr.flush()
         try:
             checked = validate(install, model_ref, flags, config=args.emit_config, env=plan.env)
         except InputError:

@@ -182,3 +182,23 @@ def test_a_deployment_can_override_the_weights(tmp_path, capsys, monkeypatch):
     code, out, _ = run_cli(capsys, "explain", "--deployment", "big", "--format", "json")
     assert code == 0, out
     assert "weights_gb: 60 (override" in json.loads(out)["estimates"]["kv_capacity_tokens"]["basis"]
+
+
+@pytest.mark.parametrize("columns", ["80", "60"])
+@pytest.mark.parametrize("args", [["-m", "gpt-oss-20b", "-g", "h100"], ["-m", "llama-3.1-8b", "-g", "b200", "-c", "128k"],
+                                  ["-m", "kimi-k2.5", "-g", "h200", "-c", "128k", "--tp", "8"]])
+def test_narrow_tables_never_split_ids(capsys, monkeypatch, columns, args):
+    """Pipes and CI logs are 80 columns: evidence ids, rule ids and names must stay whole to be searchable."""
+    import re
+
+    monkeypatch.setenv("COLUMNS", columns)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    rec = Recommendation.model_validate_json(run_cli(capsys, "recommend", *args, "--format", "json")[1])
+    code, out, _ = run_cli(capsys, "explain", *args)
+    assert code == 0
+    lines = out.splitlines()
+    cited = re.findall(r"`[\w.+-]+`", " ".join(e.basis for e in vars(rec.estimates).values() if hasattr(e, "basis")))
+    assert cited, "no evidence id in the estimates to check"
+    for word in cited + [o.name for o in rec.trace.rules] + [o.id for o in rec.trace.rules]:
+        assert any(word in line for line in lines), f"`{word}` is split or cut at {columns} columns"
+    assert "…" not in out

@@ -144,7 +144,8 @@ def _lint(args: argparse.Namespace) -> int:
     render_lint(findings, len(files), args.format)
     if load_failed:
         return EXIT_USAGE
-    failing = [f for f in findings if f.severity == "error" or args.strict]
+    # Notes (severity info) inform and never fail, not even under --strict.
+    failing = [f for f in findings if f.severity == "error" or (args.strict and f.severity == "warning")]
     return EXIT_POLICY_FAILURE if failing else EXIT_OK
 
 

@@ -65,20 +65,23 @@ def dump_json(data: Any) -> None:
 def render_lint(findings: list[Any], num_files: int, fmt: str) -> None:
     """Findings as `file:line:col: CODE [severity] message` lines, JSON, or annotations."""
     errors = sum(f.severity == "error" for f in findings)
-    warnings = len(findings) - errors
+    notes = sum(f.severity == "info" for f in findings)
+    warnings = len(findings) - errors - notes
     if fmt == "json":
-        dump_json({"files": num_files, "errors": errors, "warnings": warnings,
+        dump_json({"files": num_files, "errors": errors, "warnings": warnings, "notes": notes,
                    "findings": [f.to_json() for f in findings]})
         return
     if fmt == "github":
         for f in findings:
-            echo(annotation(f.severity, f.message, f.file, f.line, f.col, f"{f.code} {f.name}"))
+            level = "notice" if f.severity == "info" else f.severity
+            echo(annotation(level, f.message, f.file, f.line, f.col, f"{f.code} {f.name}"))
     else:
         for f in findings:
             echo(f"{at(f.file, f.line, f.col)}: {f.code} [{f.severity}] {f.message}")
     noun = "file" if num_files == 1 else "files"
     echo(f"{num_files} {noun} linted: {errors} error{'s' * (errors != 1)}, "
-         f"{warnings} warning{'s' * (warnings != 1)}" + ("" if findings else ", all clean"))
+         f"{warnings} warning{'s' * (warnings != 1)}" + (f", {notes} note{'s' * (notes != 1)}" if notes else "")
+         + ("" if findings else ", all clean"))
 
 
 def render_checks(checks: list[Any], fmt: str) -> None:

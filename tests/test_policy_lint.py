@@ -172,3 +172,16 @@ def test_list_checks(capsys):
     assert code == 0 and "KVL102  shadowed-rule" in out
     code, out, _ = run_cli(capsys, "lint", "--list-checks", "--format", "json")
     assert len(json.loads(out)) == len(CHECKS)
+
+
+@pytest.mark.parametrize(("text", "opener"), [
+    ("disable: [KV106\n\n\n\n", "`[`"),
+    ("disable: [KV106,\nrules: []\nthresholds: {}\n", "`[`"),
+    ("thresholds: {accuracy_floor: {value: 0.9}\n\ndeployments: []\n", "`{`"),
+])
+def test_unclosed_bracket_is_reported_where_it_opened(tmp_path, text, opener):
+    path = tmp_path / "team.yaml"
+    path.write_text(HEADER + text)
+    (finding,) = lint_path(path)
+    assert finding.code == "KVL001" and finding.line == 4, vars(finding)
+    assert f"the {opener} opened here is not closed" in finding.message

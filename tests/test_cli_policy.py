@@ -232,3 +232,19 @@ def test_readme_policy_example_lints_and_its_tests_pass(tmp_path, capsys, monkey
     for argv in (["lint"], ["test", "--fail-on-empty"], ["check"]):
         code, out, err = run_cli(capsys, *argv)
         assert code == 0, (argv, out, err)
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    from kvpolicy.cli import COMMANDS, build_parser
+
+    empty = []
+    for name in COMMANDS:
+        parser, _ = build_parser(name)
+        empty += [f"{name} {'/'.join(a.option_strings) or a.dest}" for a in parser._actions if not (a.help or "").strip()]
+    assert not empty, f"options without help text: {empty}"
+
+
+def test_no_policy_found_message_reads_well(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "lint")
+    assert code == 2 and "found under `.`. Pass a file" in err and ".." not in err

@@ -336,7 +336,7 @@ def _print_verify(result: Any) -> None:
     env, g = result.environment, result.geometry
     console.print(f"[bold]{result.model}[/] needle test on [bold]{env.device}[/] ({env.backend}): layer "
                   f"{g['layer']} ({g['kind']}, {g['num_q_heads']} query heads, {g['num_kv_heads']} KV heads, "
-                  f"head_dim {g['head_dim']}), {result.batch} sequences per context")
+                  f"head_dim {g['head_dim']}), {result.batch} sequence{'s' * (result.batch != 1)} per context")
     table = Table(title="needle recovery vs BF16 (hits / trials; output error vs float64)")
     table.add_column("variant")
     for c in result.contexts:

@@ -27,7 +27,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reload-interval", type=float, default=1.0, metavar="SECONDS",
                         help="how often to check the policy files for changes (default 1; 0: only on SIGHUP)")
     parser.add_argument("--access-log", action="store_true", help="log every request (off by default: /metrics counts them)")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                        help="server log level on stderr (default info)")
     parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
                         help="HTTP parser (default auto: httptools when installed, as the serve extra does)")
     parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",

@@ -29,6 +29,10 @@ def main() -> None:
     cases = {"table": base, "json": base + ["--format", "json"], "args": base + ["--format", "args"],
              "python -c pass": [sys.executable, "-c", "pass"]}
     env = {**os.environ, "COLUMNS": "120"}
+    # With PYTHONDONTWRITEBYTECODE an editable install recompiles every kvpolicy module on each start:
+    # that is not what an installed kvpolicy (whose .pyc files pip writes) costs a user.
+    if env.pop("PYTHONDONTWRITEBYTECODE", None):
+        print("note: PYTHONDONTWRITEBYTECODE unset for these runs (cached bytecode, as an installed package has)")
     print(f"{'case':<16} {'median s':>9} {'min s':>7} {'max s':>7}   ({args.runs} runs, {os.cpu_count()} CPUs)")
     for name, argv in cases.items():
         subprocess.run(argv, capture_output=True, env=env, check=True)  # warm the file cache

@@ -215,7 +215,7 @@ def test_emit_config_without_vllm(capsys, no_vllm, tmp_path):
 def test_launch_without_vllm_says_what_to_install(capsys, no_vllm):
     code, _, err = run_cli(capsys, "apply", "-m", "gpt-oss-20b", "-g", "h100")
     assert code == 2
-    assert "vLLM is not installed" in err and "pip install 'kvpolicy[vllm]'" in err and "--dry-run" in err
+    assert "vLLM is not installed" in err and "pip install vllm" in err and "--dry-run" in err
 
 
 def test_strict_refuses_two_level_off(capsys, no_vllm, tmp_path):
@@ -253,6 +253,14 @@ def test_scale_gap_reads_a_local_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text('{"quantization_config": {"kv_cache_scheme": {"strategy": "attn_head"}}}')
     assert scale_gap(per_head, str(tmp_path)) is None
     assert scale_gap(Decision(kv_cache_dtype="fp8"), "org/model") is None
+
+
+def test_the_wait_for_vllms_check_is_announced(capsys, fake_vllm):
+    code, _, err = run_cli(capsys, "apply", "-m", "gpt-oss-20b", "-g", "h100", "--dry-run")
+    assert code == 0
+    lines = err.splitlines()
+    waiting = next(i for i, line in enumerate(lines) if "checking the arguments with vllm 0.33.0" in line)
+    assert waiting < next(i for i, line in enumerate(lines) if "validated by vLLM 0.33.0" in line)
 
 
 def test_launch_execs_an_argument_list(capsys, fake_vllm):
@@ -318,6 +326,18 @@ def test_deployment_from_the_policy(capsys, no_vllm, tmp_path):
     assert code == 0 and "--tensor-parallel-size 2 --max-model-len 131072" in out
     code, _, err = run_cli(capsys, "apply", "-p", str(policy), "-d", "caht", "--dry-run")
     assert code == 2 and "chat" in err
+
+
+@pytest.mark.parametrize("command", ["apply", "calibrate", "explain"])
+def test_deployment_reads_kvpolicy_yaml_in_this_folder(capsys, no_vllm, tmp_path, monkeypatch, command):
+    (tmp_path / "kvpolicy.yaml").write_text("version: 1\nextends: builtin:default\ndeployments:\n"
+                                            "  - {name: chat, model: qwen3-30b-a3b, gpu: h100, context: 256k}\n")
+    monkeypatch.chdir(tmp_path)
+    extra = {"apply": ["--dry-run"], "calibrate": ["--emit-recipe", "r.yaml"], "explain": []}[command]
+    code, out, err = run_cli(capsys, command, "-d", "chat", *extra)
+    assert code == 0, err
+    said = out + err + ((tmp_path / "r.yaml").read_text() if command == "calibrate" else "")
+    assert "qwen3-30b-a3b" in said and ("262144" in said or "262,144" in said or command == "calibrate")
 
 
 # -- calibrate --------------------------------------------------------------------------

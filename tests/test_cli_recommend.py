@@ -49,6 +49,20 @@ def test_yaml_format_parses(capsys):
     assert data["workload"]["context_tokens"] == 6144
 
 
+def test_yaml_format_reads_the_same_in_yaml_1_1(capsys):
+    """`two_level_accumulation: on` unquoted is True to PyYAML (YAML 1.1); the words must stay strings."""
+    from kvpolicy.outputs.render import to_yaml
+
+    code, out, _ = run_cli(capsys, "recommend", "-m", "gpt-oss-20b", "-g", "h100", "--format", "yaml")
+    assert code == 0
+    yaml11 = YAML(typ="safe", pure=True)
+    yaml11.version = (1, 1)
+    for load in (YAML(typ="safe").load, yaml11.load):
+        assert load(out)["decision"]["two_level_accumulation"] == "on"
+    words = {"a": ["on", "off", "yes", "No", "y", "null", "~", "1:30", "plain", "12"]}
+    assert yaml11.load(to_yaml(words)) == words == YAML(typ="safe").load(to_yaml(words))
+
+
 def test_table_shows_decision_command_and_rules(capsys):
     code, out, _ = run_cli(capsys, "recommend", "--model", "gpt-oss-20b", "--gpu", "h100")
     assert code == 0
@@ -168,3 +182,23 @@ def test_a_deployment_can_override_the_weights(tmp_path, capsys, monkeypatch):
     code, out, _ = run_cli(capsys, "explain", "--deployment", "big", "--format", "json")
     assert code == 0, out
     assert "weights_gb: 60 (override" in json.loads(out)["estimates"]["kv_capacity_tokens"]["basis"]
+
+
+@pytest.mark.parametrize("columns", ["80", "60"])
+@pytest.mark.parametrize("args", [["-m", "gpt-oss-20b", "-g", "h100"], ["-m", "llama-3.1-8b", "-g", "b200", "-c", "128k"],
+                                  ["-m", "kimi-k2.5", "-g", "h200", "-c", "128k", "--tp", "8"]])
+def test_narrow_tables_never_split_ids(capsys, monkeypatch, columns, args):
+    """Pipes and CI logs are 80 columns: evidence ids, rule ids and names must stay whole to be searchable."""
+    import re
+
+    monkeypatch.setenv("COLUMNS", columns)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    rec = Recommendation.model_validate_json(run_cli(capsys, "recommend", *args, "--format", "json")[1])
+    code, out, _ = run_cli(capsys, "explain", *args)
+    assert code == 0
+    lines = out.splitlines()
+    cited = re.findall(r"`[\w.+-]+`", " ".join(e.basis for e in vars(rec.estimates).values() if hasattr(e, "basis")))
+    assert cited, "no evidence id in the estimates to check"
+    for word in cited + [o.name for o in rec.trace.rules] + [o.id for o in rec.trace.rules]:
+        assert any(word in line for line in lines), f"`{word}` is split or cut at {columns} columns"
+    assert "…" not in out

@@ -46,6 +46,7 @@ CASES = {
     "KVL201": HEADER + "thresholds:\n  accuracy_floor: {value: 1.2}\n",
     "KVL202": HEADER + "thresholds:\n  brek_even: {value: 3}\n",
     "KVL203": HEADER + "thresholds:\n  accuracy_floor: {min: 0.1}\n",
+    "KVL204": HEADER + "thresholds:\n  break_even_tokens:\n    values: {hopper: 2000}\n",
     "KVL301": HEADER + "pins:\n  - {name: a, when: {fact: model.id, op: eq, value: kimi-k2.5}, "
               "set: {scale_source: checkpoint_per_head}}\n"
               "  - {name: b, when: {fact: model.family, op: exists}, set: {scale_source: checkpoint_per_tensor}}\n",
@@ -61,7 +62,7 @@ def test_every_check_has_a_case_and_codes_are_unique():
     semantic = {c.code for c in CHECKS if c.code >= "KVL100"}
     assert semantic == set(CASES)
     for c in CHECKS:
-        assert c.severity in ("error", "warning") and c.name == c.name.lower() and c.summary.endswith(".")
+        assert c.severity in ("error", "warning", "info") and c.name == c.name.lower() and c.summary.endswith(".")
 
 
 @pytest.mark.parametrize("code", sorted(CASES))
@@ -97,7 +98,23 @@ def test_inherited_rules_hidden_by_a_new_rule_are_reported_once_at_the_new_rule(
 @pytest.mark.parametrize("policy", ["kvpolicy/rules/default.yaml", "policies/examples/team/kvpolicy.yaml",
                                     "kvpolicy/policy/examples/starter/kvpolicy.yaml"])
 def test_shipped_policies_are_clean(policy):
-    assert lint_path(ROOT / policy) == []
+    assert [f for f in lint_path(ROOT / policy) if f.severity != "info"] == []
+
+
+def test_break_even_change_names_the_models_it_cannot_move(tmp_path, capsys):
+    """Lowering break_even_tokens on Hopper leaves llama-3.1-8b and gpt-oss-20b on H100 where they were."""
+    path = tmp_path / "team.yaml"
+    path.write_text(CASES["KVL204"])
+    (note,) = lint_path(path)
+    assert note.severity == "info" and note.line == 5
+    assert "llama-3.1-8b on h100-sxm (`fp8-itl-llama-3.1-8b-h100`)" in note.message
+    assert "gpt-oss-20b on h100-sxm" in note.message and "b200" not in note.message
+    code, out, _ = run_cli(capsys, "lint", str(path), "--strict")
+    assert code == 0 and "1 note" in out  # a note informs; it never fails CI
+    code, out, _ = run_cli(capsys, "lint", str(path), "--format", "github")
+    assert out.startswith("::notice file=")
+    path.write_text(HEADER + "thresholds:\n  break_even_tokens:\n    values: {ada: 2000}\n")
+    assert lint_path(path) == []  # no measured line on an Ada GPU
 
 
 def test_test_files_are_validated(tmp_path):
@@ -155,3 +172,16 @@ def test_list_checks(capsys):
     assert code == 0 and "KVL102  shadowed-rule" in out
     code, out, _ = run_cli(capsys, "lint", "--list-checks", "--format", "json")
     assert len(json.loads(out)) == len(CHECKS)
+
+
+@pytest.mark.parametrize(("text", "opener"), [
+    ("disable: [KV106\n\n\n\n", "`[`"),
+    ("disable: [KV106,\nrules: []\nthresholds: {}\n", "`[`"),
+    ("thresholds: {accuracy_floor: {value: 0.9}\n\ndeployments: []\n", "`{`"),
+])
+def test_unclosed_bracket_is_reported_where_it_opened(tmp_path, text, opener):
+    path = tmp_path / "team.yaml"
+    path.write_text(HEADER + text)
+    (finding,) = lint_path(path)
+    assert finding.code == "KVL001" and finding.line == 4, vars(finding)
+    assert f"the {opener} opened here is not closed" in finding.message

@@ -92,7 +92,7 @@ def test_bench_on_the_cpu_writes_json_plot_and_records(tmp_path, capsys, monkeyp
         import matplotlib  # noqa: F401
         assert (tmp_path / "out" / "bench-mini-oss-h100-sxm.png").stat().st_size > 1000
     except ImportError:
-        assert "kvpolicy[plot]" in err
+        assert "pip install matplotlib" in err
     assert "recorded evidence `bench-itl-mini-oss-h100-sxm`" in err
     code = main(["recommend", "--model", str(folder), "--gpu", "h100", "--policy", str(policy), "--format", "json"])
     rec = json.loads(capsys.readouterr().out)
@@ -164,3 +164,15 @@ def test_bench_table_names_the_gluon_kernels_where_layers_ran_them(tmp_path, cap
     printed = " ".join(capsys.readouterr().out.split())
     assert "TurboQuant layers of turboquant_4bit_nc on the Gluon kernel (planar pages)" in printed
     assert f"FP8 layers of {fp8.name} on" in printed and "FP8 layers of turboquant" not in printed
+
+
+def test_verify_of_a_bf16_decision_says_it_compares_bf16_with_itself(tmp_path, capsys):
+    pytest.importorskip("torch")
+    code = main(["verify", "--model", "llama-3.1-8b", "--device", "cpu", "--contexts", "256,512", "--batch", "1",
+                 "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "no GPU in use and no --gpu: deciding for h100" in err  # README shows --gpu as optional
+    assert "compares BF16 with itself" in err and "--compare fp8" in err
+    result = json.loads(next(tmp_path.glob("verify-llama-3.1-8b-*.json")).read_text())
+    assert result["verdicts"] == [] and any("--compare fp8" in w for w in result["warnings"])

@@ -12,7 +12,7 @@ from kvpolicy.inputs.workload import make_workload
 from kvpolicy.outputs.recommend import recommend
 from kvpolicy.rules.decision import Decision
 from kvpolicy.rules.validate import load_policy
-from kvpolicy.runtime.fit import LineFit, break_even_tokens, fit_line
+from kvpolicy.runtime.fit import LineFit, break_even_tokens, fit_line, fit_problems
 from kvpolicy.runtime.record import evidence_id, record_bench
 from kvpolicy.runtime.results import BenchFit, BenchResult, Environment, VariantInfo
 
@@ -46,6 +46,33 @@ def test_break_even_is_where_the_lines_cross(slope, intercept, ratio, delta):
 def test_fit_needs_two_contexts():
     with pytest.raises(ValueError):
         fit_line([4096, 4096], [1.0, 1.1])
+
+
+def test_meaningless_fits_are_named():
+    """Two points always fit (r2 = 1); scattered CPU times and negative intercepts are no line either."""
+    xs = [1024, 4096, 16384, 65536]
+    good = fit_line(xs, [4.37e-05 * x + 6.44 for x in xs])
+    assert fit_problems(good, len(xs)) == []
+    two = fit_line([256, 512], [3.0, 2.0])
+    assert two.r2 == 1.0 and any("only 2 contexts" in p for p in fit_problems(two, 2))
+    scattered = fit_line(xs, [5.0, 1.0, 6.0, 2.5])
+    assert any(p.startswith("r2 ") for p in fit_problems(scattered, len(xs)))
+    negative = fit_line(xs, [0.001 * x - 3 for x in xs])
+    assert any("negative intercept" in p for p in fit_problems(negative, len(xs)))
+
+
+def test_bench_warns_about_meaningless_fits():
+    from kvpolicy.runtime.bench import fit_all, fit_warnings
+    from kvpolicy.runtime.results import BenchPoint
+
+    result = _result()
+    result.contexts, result.batches = [256, 512], [1]
+    result.points = [BenchPoint(variant=v, batch=1, context_tokens=c, itl_ms=ms)
+                     for v, c, ms in (("bf16", 256, 2.0), ("bf16", 512, 3.0), ("fp8", 256, 2.5), ("fp8", 512, 2.9))]
+    fits = fit_all(result)
+    assert all(f.problems for f in fits)
+    warnings = fit_warnings(fits)
+    assert len(warnings) == 2 and "the fit is meaningless (only 2 contexts" in warnings[1]
 
 
 def _result(model: str = "llama-3.1-8b", gpu: str = "h200", fp8_intercept: float = 0.30) -> BenchResult:

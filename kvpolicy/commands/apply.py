@@ -28,7 +28,8 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     """--model/--gpu and the workload (or --deployment), shared with `calibrate`."""
     add_deployment_args(parser, model_required=False)
     parser.add_argument("--deployment", "-d", metavar="NAME",
-                        help="a deployment from the policy's `deployments:` (gives model, GPU and workload)")
+                        help="a deployment from the policy's `deployments:` (--policy, default ./kvpolicy.yaml; "
+                             "gives model, GPU and workload)")
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -91,23 +92,17 @@ def user_config_keys(user_args: list[str], emit_config: str | None) -> dict[str,
 
 def decide(args: argparse.Namespace) -> tuple[Recommendation, ModelArch, str]:
     """The recommendation for --model/--gpu or --deployment, its model, and the model as vLLM loads it."""
-    from kvpolicy.commands.common import resolve_inputs
+    from kvpolicy.commands.common import deployment_inputs_from_args, resolve_inputs
     from kvpolicy.outputs.recommend import recommend
 
     if args.deployment:
-        from kvpolicy.policy.deployments import deployment_inputs, find_deployment
-        from kvpolicy.rules.validate import load_policy
-
-        if args.model or args.gpu:
-            raise InputError("--deployment gives the model and GPU: leave out --model and --gpu, or the deployment.")
-        loaded = load_policy(args.policy)
-        arch, gpu, workload = deployment_inputs(loaded, find_deployment(loaded, args.deployment))
+        inputs = deployment_inputs_from_args(args)
     else:
         if not args.model or not args.gpu:
             raise InputError("name the target: --model and --gpu (e.g. `--model gpt-oss-20b --gpu h100`), "
-                             "or --deployment NAME from the policy.")
+                             "or --deployment NAME from the policy (--policy, default ./kvpolicy.yaml).")
         inputs = resolve_inputs(args)
-        arch, gpu, workload, loaded = inputs.arch, inputs.gpu, inputs.workload, inputs.loaded
+    arch, gpu, workload, loaded = inputs.arch, inputs.gpu, inputs.workload, inputs.loaded
     rec = recommend(arch, gpu, workload, loaded)
     return rec, arch, model_for_vllm(arch, args.model)
 
@@ -205,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.no_validate:
         _note("not validated (--no-validate)")
     else:
+        # vLLM's import and checks take seconds (14-24 s on a small CPU machine): say what the wait is.
+        _note(f"checking the arguments with {install.distribution} {install.version} ({install.python}); vLLM takes "
+              "a while to import ...")
+        sys.stderr.flush()
         try:
             checked = validate(install, model_ref, flags, config=args.emit_config, env=plan.env)
         except InputError:

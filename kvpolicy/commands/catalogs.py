@@ -20,7 +20,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--check", action="store_true",
                             help="exit 1 if the files in --out differ from the code (for CI)")
     if name != "schema":
-        parser.add_argument("--format", "-f", choices=["table", "json"], default="table")
+        parser.add_argument("--format", "-f", choices=["table", "json"], default="table",
+                            help="table (people) or json (machines)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -108,3 +108,26 @@ def resolve_inputs(args: argparse.Namespace) -> Inputs:
         accuracy_floor=args.accuracy_floor, gpu_memory_utilization=args.gpu_memory_utilization,
     )
     return Inputs(arch=arch, gpu=gpu, workload=workload, loaded=loaded)
+
+
+DEFAULT_POLICY_FILE = "kvpolicy.yaml"
+
+
+def deployment_inputs_from_args(args: argparse.Namespace) -> Inputs:
+    """Inputs of `--deployment NAME`: from --policy, else ./kvpolicy.yaml (explain, apply, calibrate alike)."""
+    from pathlib import Path
+
+    from kvpolicy.policy.deployments import deployment_inputs, find_deployment
+
+    if args.model or args.gpu:
+        raise InputError("--deployment takes the model, GPU and workload from the policy; drop --model/--gpu "
+                         "(or drop --deployment).")
+    policy = args.policy
+    if policy is None:
+        if not Path(DEFAULT_POLICY_FILE).is_file():
+            raise InputError(f"--deployment needs a policy with `deployments:`: pass --policy FILE "
+                             f"(no {DEFAULT_POLICY_FILE} in this folder).")
+        policy = DEFAULT_POLICY_FILE
+    loaded = load_policy(policy)
+    arch, gpu, workload = deployment_inputs(loaded, find_deployment(loaded, args.deployment))
+    return Inputs(arch=arch, gpu=gpu, workload=workload, loaded=loaded)

@@ -57,9 +57,12 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", "-m", default=None, help="also compare this model (with --gpu)")
         parser.add_argument("--gpu", "-g", default=None, help="GPU for --model")
         parser.add_argument("--context", "-c", default="32k", help="context for --model (default 32k)")
-        parser.add_argument("--priority", choices=["decode", "prefill", "balanced"], default="decode")
-        parser.add_argument("--concurrency", type=positive_int("--concurrency"), default=1)
-        parser.add_argument("--tp", type=positive_int("--tp"), default=1)
+        parser.add_argument("--priority", choices=["decode", "prefill", "balanced"], default="decode",
+                            help="priority for --model (default decode)")
+        parser.add_argument("--concurrency", type=positive_int("--concurrency"), default=1,
+                            help="concurrency for --model (default 1)")
+        parser.add_argument("--tp", type=positive_int("--tp"), default=1,
+                            help="tensor-parallel size for --model (default 1)")
     parser.add_argument("--format", "-f", choices=OUTPUT_FORMATS, default="table",
                         help="table (people), json (machines), github (workflow annotations)")
 
@@ -127,7 +130,7 @@ def _lint(args: argparse.Namespace) -> int:
                          "`kvpolicy lint --list-checks` lists them.")
     files = discover_policies(args.paths)
     if not files:
-        raise InputError(f"no policy files found under {', '.join(args.paths) or '.'}. Pass a file, or create one "
+        raise InputError(f"no policy files found under {', '.join(f'`{p}`' for p in args.paths) or '`.`'}. Pass a file, or create one "
                          "with `kvpolicy init`.")
     findings = []
     seen: set[tuple[object, ...]] = set()
@@ -144,7 +147,8 @@ def _lint(args: argparse.Namespace) -> int:
     render_lint(findings, len(files), args.format)
     if load_failed:
         return EXIT_USAGE
-    failing = [f for f in findings if f.severity == "error" or args.strict]
+    # Notes (severity info) inform and never fail, not even under --strict.
+    failing = [f for f in findings if f.severity == "error" or (args.strict and f.severity == "warning")]
     return EXIT_POLICY_FAILURE if failing else EXIT_OK
 
 
@@ -212,7 +216,7 @@ def _check(args: argparse.Namespace) -> int:
             render_check(loaded.label, [], "json")
         return EXIT_POLICY_FAILURE if args.fail_on_empty else EXIT_OK
     results = [check_deployment(loaded, d) for d in deps]
-    render_check(loaded.label, results, args.format)
+    render_check(loaded.label, results, args.format, strict=args.strict)
     if any(r["status"] == "error" for r in results):
         return EXIT_USAGE
     failed = any(r["status"] == "violation" or (args.strict and r.get("warnings")) for r in results)

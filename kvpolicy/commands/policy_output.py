@@ -65,20 +65,23 @@ def dump_json(data: Any) -> None:
 def render_lint(findings: list[Any], num_files: int, fmt: str) -> None:
     """Findings as `file:line:col: CODE [severity] message` lines, JSON, or annotations."""
     errors = sum(f.severity == "error" for f in findings)
-    warnings = len(findings) - errors
+    notes = sum(f.severity == "info" for f in findings)
+    warnings = len(findings) - errors - notes
     if fmt == "json":
-        dump_json({"files": num_files, "errors": errors, "warnings": warnings,
+        dump_json({"files": num_files, "errors": errors, "warnings": warnings, "notes": notes,
                    "findings": [f.to_json() for f in findings]})
         return
     if fmt == "github":
         for f in findings:
-            echo(annotation(f.severity, f.message, f.file, f.line, f.col, f"{f.code} {f.name}"))
+            level = "notice" if f.severity == "info" else f.severity
+            echo(annotation(level, f.message, f.file, f.line, f.col, f"{f.code} {f.name}"))
     else:
         for f in findings:
             echo(f"{at(f.file, f.line, f.col)}: {f.code} [{f.severity}] {f.message}")
     noun = "file" if num_files == 1 else "files"
     echo(f"{num_files} {noun} linted: {errors} error{'s' * (errors != 1)}, "
-         f"{warnings} warning{'s' * (warnings != 1)}" + ("" if findings else ", all clean"))
+         f"{warnings} warning{'s' * (warnings != 1)}" + (f", {notes} note{'s' * (notes != 1)}" if notes else "")
+         + ("" if findings else ", all clean"))
 
 
 def render_checks(checks: list[Any], fmt: str) -> None:
@@ -170,10 +173,18 @@ def _mismatch_lines(c: Any) -> list[str]:
 # -- check -------------------------------------------------------------------------------
 
 
-def render_check(label: str, results: list[dict[str, Any]], fmt: str) -> None:
-    """Per deployment: decision, capacity, warnings and violations."""
+def render_check(label: str, results: list[dict[str, Any]], fmt: str, strict: bool = False) -> None:
+    """Per deployment: decision, capacity, warnings and violations.
+
+    JSON is the document `POST /v1/check` answers (schemas/serve-check-response.schema.json), so a script
+    reads the CLI and the service alike.
+    """
     if fmt == "json":
-        dump_json({"policy": label, "deployments": results})
+        from kvpolicy.service.api import check_response, check_result
+
+        doc = check_response(label, "policy", [check_result(r["name"], r, "deployment_error") for r in results],
+                             strict=strict)
+        echo(doc.model_dump_json(indent=2))
         return
     for r in results:
         where = (r["file"], r["line"], r["col"])
@@ -209,9 +220,21 @@ def render_check(label: str, results: list[dict[str, Any]], fmt: str) -> None:
         for a in r.get("advice", []):
             echo(f"      advice: {a}")
     if fmt != "github":
-        bad = sum(r["status"] != "ok" for r in results)
-        echo(f"{len(results)} deployment{'s' * (len(results) != 1)} checked against {label}: "
-             f"{len(results) - bad} ok, {bad} with problems")
+        echo(check_summary(label, results, strict))
+
+
+def check_summary(label: str, results: list[dict[str, Any]], strict: bool) -> str:
+    """The last line of `check`: counts that agree with the exit code (warnings fail under --strict)."""
+    n = len(results)
+    counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "violation", "error")}
+    warned = sum(r["status"] == "ok" and bool(r.get("warnings")) for r in results)
+    parts = [f"{counts['ok'] - (warned if strict else 0)} ok"]
+    if warned:
+        parts.append(f"{warned} with warnings" + (" (failing: --strict)" if strict else ""))
+    parts.append(f"{counts['violation']} with violations")
+    if counts["error"]:
+        parts.append(f"{counts['error']} not evaluated (errors)")
+    return f"{n} deployment{'s' * (n != 1)} checked against {label}: " + ", ".join(parts)
 
 
 # -- diff --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvpolicy.commands.common import Inputs, add_deployment_args, resolve_inputs
+from kvpolicy.commands.common import add_deployment_args, deployment_inputs_from_args, resolve_inputs
 from kvpolicy.outputs.render import FORMATS, render
 
 
@@ -33,30 +33,9 @@ def run(args: argparse.Namespace) -> int:
 
         raise InputError("explain needs --model and --gpu (e.g. `--model gpt-oss-20b --gpu h100`), or "
                          "--deployment NAME for a deployment of the policy (--policy, default ./kvpolicy.yaml).")
-    inputs = _deployment_inputs(args) if getattr(args, "deployment", None) else resolve_inputs(args)
+    inputs = deployment_inputs_from_args(args) if getattr(args, "deployment", None) else resolve_inputs(args)
     rec = recommend(inputs.arch, inputs.gpu, inputs.workload, inputs.loaded)
     model_ref = inputs.arch.hf_id or args.model or inputs.arch.id
     render(rec, args.format, model_ref=model_ref, explain=args.command == "explain")
     return 0
 
-
-def _deployment_inputs(args: argparse.Namespace) -> Inputs:
-    """Inputs of `explain --deployment NAME`, from the policy's `deployments:`."""
-    from pathlib import Path
-
-    from kvpolicy.errors import InputError
-    from kvpolicy.policy.deployments import deployment_inputs, find_deployment
-    from kvpolicy.rules.validate import load_policy
-
-    if args.model or args.gpu:
-        raise InputError("--deployment takes the model, GPU and workload from the policy; drop --model/--gpu "
-                         "(or drop --deployment).")
-    policy = args.policy
-    if policy is None:
-        if not Path("kvpolicy.yaml").is_file():
-            raise InputError("--deployment needs a policy with `deployments:`: pass --policy FILE "
-                             "(no kvpolicy.yaml in this folder).")
-        policy = "kvpolicy.yaml"
-    loaded = load_policy(policy)
-    arch, gpu, workload = deployment_inputs(loaded, find_deployment(loaded, args.deployment))
-    return Inputs(arch=arch, gpu=gpu, workload=workload, loaded=loaded)

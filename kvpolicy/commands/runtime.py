@@ -20,14 +20,19 @@ CPU_CONTEXTS = {"bench": "256..1k", "verify": "512..2k"}
 """Default --contexts on the CPU: the torch references on small shapes."""
 
 
+CPU_DEFAULT_GPU = "h100"
+"""The decision's GPU when --gpu is left out on a machine without one (a CPU run only tries the flow out)."""
+
+
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """Options of bench / verify."""
     parser.add_argument("--model", "-m", required=True,
                         help="catalog id (llama-3.1-8b), HF id, or a local model folder / config.json "
                              "(verify: a folder with weights adds the model-level check)")
-    parser.add_argument("--gpu", "-g", default="auto",
-                        help="GPU the decision is for: `auto` (default) detects the local GPU; on a machine "
-                             "without one, name the target GPU (h100, h200...)")
+    parser.add_argument("--gpu", "-g", default=None,
+                        help="GPU the decision is for (h100, h200...), or `auto` to detect the local one; default: "
+                             f"the local GPU, or {CPU_DEFAULT_GPU} when there is none (the run then uses the torch "
+                             "references on the CPU)")
     parser.add_argument("--policy", "-p", default=None, help="policy file (default builtin:default)")
     parser.add_argument("--contexts", default=None,
                         help=f"context lengths: `1k..128k` (doubling) or a list `4k,32k,128k` (default "
@@ -111,8 +116,12 @@ def _resolve(args: argparse.Namespace, longest: int) -> tuple[Any, Any, Any, Any
 
     loaded = load_policy(args.policy)
     arch = resolve_model(args.model)
-    if args.gpu == "auto" and args.device != "cpu" and torch.cuda.is_available():
+    if args.gpu in (None, "auto") and args.device != "cpu" and torch.cuda.is_available():
         gpu = resolve_gpu(torch.cuda.get_device_name(0), where="--gpu auto")
+    elif args.gpu is None:
+        gpu = resolve_gpu(CPU_DEFAULT_GPU)
+        sys.stderr.write(f"kvpolicy {args.command}: no GPU in use and no --gpu: deciding for {CPU_DEFAULT_GPU}, run "
+                         "with the torch references on the CPU (pass --gpu to decide for another GPU).\n")
     else:
         gpu = resolve_gpu(args.gpu)
     floor = getattr(args, "accuracy_floor", None)
@@ -239,8 +248,11 @@ def _print_bench(result: Any) -> None:
         table.add_column(col, justify="left" if col == "variant" else "right")
     for f in result.fits:
         be = "-" if f.slope_ratio is None else ("never" if f.break_even_tokens is None else f"{f.break_even_tokens:,.0f}")
+        if f.problems:  # the warnings below say why
+            be = "no fit" if f.slope_ratio is not None else be
         table.add_row(f.variant, str(f.batch), f"{f.slope_ms_per_token:.3e}", f"{f.intercept_ms:.4f}",
-                      "-" if f.slope_ratio is None else f"{f.slope_ratio:.1%}", be, f"{f.r2:.4f}")
+                      "-" if f.slope_ratio is None else f"{f.slope_ratio:.1%}", be,
+                      f"{f.r2:.4f}" + (" (!)" if f.problems else ""))
     console.print(table)
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {w}")
@@ -248,6 +260,7 @@ def _print_bench(result: Any) -> None:
 
 def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any, contexts: list[int],
             compare: list[str], device: Any, backend: str, out_dir: Path) -> int:
+    from kvpolicy.formats import FORMATS
     from kvpolicy.runtime.variants import cache_layout, variant_list
     from kvpolicy.runtime.verify import run_verify, with_calibrated_twins
 
@@ -259,6 +272,13 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
             seen.add((v.kv_cache_dtype, v.two_level, v.scale_source))
             variants.append(v)
     batch = args.batch or (4 if backend == "triton" else 2)
+    self_compare = None
+    if all(FORMATS[v.kv_cache_dtype].kind == "bf16" for v in variants):
+        # The decision is BF16 at these contexts (always so at the CPU's short defaults): no verdict can come.
+        self_compare = (f"the decision for {arch.id} on {gpu.id} at {max(contexts):,} tokens is BF16 "
+                        f"(kv-cache-dtype {rec.decision.kv_cache_dtype}), so this run compares BF16 with itself and "
+                        "gives no verdict. Add --compare fp8 (or turboquant_4bit_nc, ...) to test a quantized format.")
+        sys.stderr.write(f"kvpolicy verify: note: {self_compare}\n")
     total = len(variants) * len(contexts)
     with _progress(total, "verify") as progress:
         task = progress.add_task("", total=total)
@@ -269,6 +289,8 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
         result = run_verify(arch, gpu, rec.decision, variants, contexts, batch, device, backend,
                             accuracy_floor=rec.workload.accuracy_floor, policy_label=loaded.label,
                             on_point=step, seed=args.seed)
+    if self_compare:
+        result.warnings.append(self_compare)
     _model_check(args, arch, variants, device, backend, result)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"verify-{arch.id}-{gpu.id}.json"
@@ -314,7 +336,7 @@ def _print_verify(result: Any) -> None:
     env, g = result.environment, result.geometry
     console.print(f"[bold]{result.model}[/] needle test on [bold]{env.device}[/] ({env.backend}): layer "
                   f"{g['layer']} ({g['kind']}, {g['num_q_heads']} query heads, {g['num_kv_heads']} KV heads, "
-                  f"head_dim {g['head_dim']}), {result.batch} sequences per context")
+                  f"head_dim {g['head_dim']}), {result.batch} sequence{'s' * (result.batch != 1)} per context")
     table = Table(title="needle recovery vs BF16 (hits / trials; output error vs float64)")
     table.add_column("variant")
     for c in result.contexts:

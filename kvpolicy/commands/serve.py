@@ -27,7 +27,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reload-interval", type=float, default=1.0, metavar="SECONDS",
                         help="how often to check the policy files for changes (default 1; 0: only on SIGHUP)")
     parser.add_argument("--access-log", action="store_true", help="log every request (off by default: /metrics counts them)")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                        help="server log level on stderr (default info)")
     parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
                         help="HTTP parser (default auto: httptools when installed, as the serve extra does)")
     parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         from kvpolicy.service.app import create_app
     except ImportError as exc:
         raise InputError(f"kvpolicy serve needs the server stack ({exc.name} is missing). "
-                         "Install it with `pip install 'kvpolicy[serve]'`.") from None
+                         "Install it with `pip install starlette uvicorn httptools uvloop` (kvpolicy's `serve` "
+                         "extra: `pip install '.[serve]'` in a checkout).") from None
     from kvpolicy.service.reload import PolicyHolder
 
     level = getattr(logging, args.log_level.upper())
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--reload-interval must be 0 or more seconds, found {args.reload_interval:g}.")
     for option, module in (("--http httptools", "httptools"), ("--loop uvloop", "uvloop")):
         if option.split()[1] in (args.http, args.loop) and importlib.util.find_spec(module) is None:
-            raise InputError(f"{option}: {module} is not installed; `pip install 'kvpolicy[serve]'` installs it.")
+            raise InputError(f"{option}: {module} is not installed; `pip install {module}` installs it.")
     holder = PolicyHolder(args.policy or DEFAULT_POLICY)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -28,7 +28,7 @@ from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_schema import ItlFit, Policy, resolve_threshold
 from kvpolicy.inputs.workload import Workload
 
-Provenance = Literal["measured", "modelled"]
+Provenance = Literal["measured", "extrapolated", "modelled"]
 
 
 class _Model(BaseModel):
@@ -43,7 +43,8 @@ class Estimate(_Model):
     unit: str
     """Unit, e.g. `tokens`, `bytes`, `ratio`, `ms/token`."""
     provenance: Provenance
-    """measured (from a study or the user's bench) or modelled (formula)."""
+    """measured (from a study or the user's bench), extrapolated (a measured figure applied beyond the contexts
+    it was measured at) or modelled (formula)."""
     basis: str
     """Source of a measured figure, or the formula and inputs of a modelled one."""
 
@@ -160,26 +161,31 @@ def recovery(policy: Policy, dtype: str, context_tokens: int) -> Estimate:
     fmt = FORMATS[dtype]
     if fmt.kind == "bf16":
         return Estimate(value=1.0, unit="ratio", provenance="modelled", basis="BF16 is the baseline")
-    best: tuple[int, float, str] | None = None
+    best: tuple[int, float, str, int | None] | None = None
     names = {dtype, "fp8"} if dtype in ("fp8", "fp8_e4m3") else {dtype}
-    for max_ctx, value, ev_id, rec_dtype in _recoveries(policy):
+    for max_ctx, value, ev_id, rec_dtype, measured_to in _recoveries(policy):
         if rec_dtype in names and max_ctx >= context_tokens:
-            cand = (max_ctx, value, ev_id)
+            cand = (max_ctx, value, ev_id, measured_to)
             if best is None or cand[:2] < best[:2]:
                 best = cand
     if best is None:
         return Estimate(value=None, unit="ratio", provenance="modelled",
                         basis=f"no published accuracy figure for {dtype} at {context_tokens} tokens; "
                               "measure with `kvpolicy verify`")
+    measured_to = best[3]
+    if measured_to is not None and context_tokens > measured_to:
+        return Estimate(value=best[1], unit="ratio", provenance="extrapolated",
+                        basis=f"evidence `{best[2]}` (uncalibrated scales) measured up to {measured_to:,} tokens, "
+                              f"extrapolated to {context_tokens:,}; measure with `kvpolicy verify`")
     return Estimate(value=best[1], unit="ratio", provenance="measured",
                     basis=f"evidence `{best[2]}` (uncalibrated scales; lowest figure up to {best[0]} tokens)")
 
 
-def _recoveries(policy: Policy) -> list[tuple[int, float, str, str]]:
-    """(max context, value, evidence id, dtype) of every recovery figure, built once per policy object."""
+def _recoveries(policy: Policy) -> list[tuple[int, float, str, str, int | None]]:
+    """(max context, value, evidence id, dtype, measured up to) of every recovery figure, once per policy object."""
     rows = policy.derived.get(__name__)
     if rows is None:
-        rows = policy.derived[__name__] = [(r.max_context_tokens, r.value, ev.id, r.dtype)
+        rows = policy.derived[__name__] = [(r.max_context_tokens, r.value, ev.id, r.dtype, r.measured_up_to_tokens)
                                            for ev in policy.evidence for r in ev.recovery]
     return rows
 

@@ -228,6 +228,9 @@ class Recovery(_Strict):
     """Recovery (score / BF16 score); the lower bound of the study's range."""
     max_context_tokens: int = Field(default=1 << 30, gt=0)
     """Longest context this figure covers."""
+    measured_up_to_tokens: int | None = Field(default=None, gt=0)
+    """Longest context the study measured, when the figure is applied further (up to max_context_tokens):
+    an estimate beyond it is labelled extrapolated, not measured."""
 
 
 class KernelFit(_Strict):

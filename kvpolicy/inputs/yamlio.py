@@ -89,6 +89,16 @@ def yaml_problem(exc: BaseException, where: str) -> Problem:
     """A parser exception as a Problem with the line and column of the fault."""
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and opened is not None and mark is not None and opened.line < mark.line and (
+            "flow" in context or "quoted scalar" in context):
+        # An unclosed `[`, `{` or quote is only noticed lines later (often at the end of the file): point
+        # at where it opened, which is where the fix goes, and say where the parser gave up.
+        what = {"flow sequence": "`[`", "flow mapping": "`{`", "quoted scalar": "quote"}
+        opener = next((v for k, v in what.items() if k in context), "construct")
+        problem = (f"the {opener} opened here is not closed ({problem} at line {mark.line + 1}, "
+                   f"column {mark.column + 1})")
+        mark = opened
     line = mark.line + 1 if mark is not None else None
     col = mark.column + 1 if mark is not None else None
     return Problem(where, f"malformed YAML: {problem}. Fix the YAML syntax there.", line, col, kind="yaml")

@@ -1,6 +1,6 @@
 """Find vLLM, let it validate a `vllm serve` argument list, write it as a config file, exec it.
 
-vLLM may live in kvpolicy's own environment (`pip install kvpolicy[vllm]`) or in
+vLLM may live in kvpolicy's own environment (`pip install vllm`, kvpolicy's `vllm` extra) or in
 another one (`--vllm-python` / KVPOLICY_VLLM_PYTHON names its python). Either
 way kvpolicy talks to it through `kvpolicy/outputs/vllm_probe.py`, run by that python
 as a subprocess with an argument list: kvpolicy itself never imports vllm, so
@@ -34,7 +34,7 @@ PYTHON_ENV = "KVPOLICY_VLLM_PYTHON"
 _RUN_FILE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 DETECT_TIMEOUT_S = 60
 VALIDATE_TIMEOUT_S = 600
-INSTALL_HINT = ("install it with `pip install 'kvpolicy[vllm]'` (vLLM for GPUs), or point --vllm-python "
+INSTALL_HINT = ("install it with `pip install vllm` (kvpolicy's `vllm` extra; vLLM for GPUs), or point --vllm-python "
                 f"(or {PYTHON_ENV}) at the python of an environment that has vLLM")
 
 
@@ -156,20 +156,13 @@ def config_mapping(model: str, args: list[str]) -> dict[str, object]:
 
 def config_yaml(model: str, args: list[str], *, header: str = "", env: dict[str, str] | None = None) -> str:
     """The YAML file `vllm serve --config FILE` reads; comments say what it cannot hold (environment)."""
-    import io
-
-    from ruamel.yaml import YAML
+    from kvpolicy.outputs.render import to_yaml
 
     lines = [f"# {line}" for line in header.splitlines()]
     if env:
         lines.append("# Set in the environment before starting vLLM (a config file cannot): "
                      + " ".join(f"{k}={v}" for k, v in env.items()))
-    out = io.StringIO()
-    yaml = YAML(typ="safe", pure=True)
-    yaml.default_flow_style = False
-    yaml.sort_base_mapping_type_on_output = False  # type: ignore[attr-defined]
-    yaml.dump(config_mapping(model, args), out)
-    return "\n".join(lines) + ("\n" if lines else "") + out.getvalue()
+    return "\n".join(lines) + ("\n" if lines else "") + to_yaml(config_mapping(model, args))
 
 
 def exec_vllm(argv: list[str], env: dict[str, str] | None = None) -> None:

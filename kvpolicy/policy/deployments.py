@@ -84,7 +84,8 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
 
     Violations (exit code 1): the weights leave no room for a KV cache; the chosen
     cache cannot hold the deployment's concurrency at its context; uncalibrated
-    scales are expected below the deployment's accuracy floor.
+    scales are expected below the deployment's accuracy floor and the served
+    checkpoint does not (visibly) carry the calibrated scales the decision needs.
     """
     file, line, col = Sources.of(loaded).deployment(dep.name)
     out: dict[str, object] = {"name": dep.name, "file": file, "line": line, "col": col}
@@ -102,9 +103,20 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
                           f"{wl.context_tokens:,} tokens; the deployment needs {wl.concurrency}. Lower the "
                           "concurrency or context, or raise `tp`.")
     recovery = est.accuracy_recovery.value
-    if recovery is not None and recovery < wl.accuracy_floor and d.scale_source == "uncalibrated":
-        violations.append(f"expected accuracy recovery {recovery:.0%} with uncalibrated scales is below the floor "
-                          f"{wl.accuracy_floor:.0%}; calibrate scales or keep BF16.")
+    if recovery is not None and recovery < wl.accuracy_floor:
+        # The figure is uncalibrated FP8's: it stands unless the checkpoint served already carries the scales.
+        below = (f"expected accuracy recovery {recovery:.0%} with uncalibrated scales is below the floor "
+                 f"{wl.accuracy_floor:.0%}")
+        if d.scale_source == "uncalibrated":
+            violations.append(f"{below}; calibrate scales or keep BF16.")
+        else:
+            from kvpolicy.outputs.calibrate import scale_gap
+
+            if scale_gap(d, _model_spec(loaded, dep.model)):
+                violations.append(f"{below}, and `{dep.model}` is not a local checkpoint with the "
+                                  f"{d.scale_source.replace('_', ' ')} scales the decision needs: "
+                                  f"`kvpolicy calibrate -d {dep.name}` writes the recipe; serve the calibrated "
+                                  "checkpoint (the deployment's `model`).")
     return {**out, "status": "violation" if violations else "ok", "violations": violations,
             "warnings": rec.warnings, "advice": rec.alternatives, "decision": d.model_dump(),
             "vllm_args": rec.vllm_args,

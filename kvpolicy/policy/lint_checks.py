@@ -51,6 +51,9 @@ CHECKS = [
     Check("KVL201", "threshold-out-of-range", "error", "A threshold's value lies outside its `min`/`max`."),
     Check("KVL202", "unused-threshold", "warning", "A threshold no rule, pin or estimate reads."),
     Check("KVL203", "threshold-bounds-changed", "warning", "An extending file moves an inherited threshold's `min`/`max`."),
+    Check("KVL204", "threshold-overruled-by-measurements", "info",
+          "`break_even_tokens` is changed, but models with measured ITL lines on those GPUs use their measured "
+          "break-even instead."),
     Check("KVL301", "overridden-pin", "warning", "A later pin always replaces this pin's field."),
     Check("KVL302", "constraint-matches-nothing", "warning", "A `forbid` pattern that matches no known value."),
     Check("KVL401", "bad-deployment", "error", "A deployment names an unknown model or GPU, or an invalid context."),
@@ -317,6 +320,45 @@ def thresholds(lt: Linter) -> None:
                 lt.emit("KVL203", f"threshold `{name}`: this file changes `min`/`max` of an inherited threshold; "
                         "lint checks values against them, so widen them only with new evidence.",
                         lt.src.at(lt.loaded.chain[0], ("thresholds", name)))
+
+
+def measured_break_even(lt: Linter) -> None:
+    """KVL204: a user's `break_even_tokens` moves nothing for (model, GPU) pairs with measured ITL lines."""
+    from kvpolicy.facts.estimates import break_even
+    from kvpolicy.inputs.catalog import resolve_gpu
+
+    top = lt.loaded.chain[0]
+    patch = ((lt.loaded.raw.get(top) or {}).get("thresholds") or {}).get("break_even_tokens")
+    threshold = lt.policy.thresholds.get("break_even_tokens")
+    if top not in lt.user or not isinstance(patch, dict) or threshold is None:
+        return
+    if threshold.by not in (None, "gpu.generation"):
+        return
+    changed = None if threshold.by is None or "value" in patch else set(patch.get("values") or {})
+    if "default" in patch:
+        changed = None
+    overruled: dict[str, str] = {}
+    for ev in lt.policy.evidence:
+        if not ev.itl:
+            continue
+        try:
+            gpu = resolve_gpu(ev.itl.gpu)
+        except KvPolicyError:
+            continue
+        if changed is not None and gpu.generation not in changed:
+            continue
+        found = (ev.id, ev.itl.variants)
+        keys = [k for k in ("fp8", "fp8_skip_sliding") if k in ev.itl.variants] or ["fp8"]
+        facts = {"gpu.generation": gpu.generation}
+        skips = {"fp8": [], "fp8_skip_sliding": ["sliding_window"]}
+        if all(break_even(lt.policy, gpu, found, "fp8", skips[k], facts).provenance == "measured" for k in keys):
+            overruled[f"{ev.itl.model} on {gpu.id}"] = ev.id  # later evidence wins, as in find_itl
+    if overruled:
+        pairs = ", ".join(f"{pair} (`{ev}`)" for pair, ev in overruled.items())
+        lt.emit("KVL204", f"threshold `break_even_tokens`: this change moves nothing for {pairs}: their measured ITL "
+                "lines give the break-even. It applies to the other models on those GPUs; to move these, record "
+                "your own lines (`kvpolicy bench --record FILE`).", lt.src.key("thresholds", "break_even_tokens"),
+                lt.src.at(top, ("thresholds", "break_even_tokens")))
 
 
 def deployments(lt: Linter) -> None:

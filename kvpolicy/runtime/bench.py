@@ -24,7 +24,7 @@ from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.rules.decision import Decision
 from kvpolicy.runtime.caches import BLOCK_SIZE, pages_per_sequence, plan_layers
-from kvpolicy.runtime.fit import break_even_tokens, fit_line
+from kvpolicy.runtime.fit import break_even_tokens, fit_line, fit_problems
 from kvpolicy.runtime.results import (
     BenchFit,
     BenchPoint,
@@ -123,6 +123,7 @@ def run_bench(arch: ModelArch, gpu: GpuSpec, decision: Decision, variants: list[
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     result.fits = fit_all(result)
+    result.warnings += fit_warnings(result.fits)
     if backend != "triton":
         result.warnings.append("CPU run: the torch references were timed, not the kernels; these numbers test "
                                "the code path and say nothing about a GPU.")
@@ -144,11 +145,20 @@ def fit_all(result: BenchResult) -> list[BenchFit]:
             is_base = name == result.variants[0].name
             ratio = None if is_base or base is None else line.slope_ms_per_token / base.slope_ms_per_token
             be = None if is_base or base is None else break_even_tokens(base, line)
+            problems = fit_problems(line, len({p.context_tokens for p in result.points
+                                               if p.variant == name and p.batch == batch}))
             fits.append(BenchFit(variant=name, key=keys[name], batch=batch,
                                  slope_ms_per_token=line.slope_ms_per_token, intercept_ms=line.intercept_ms,
                                  r2=round(line.r2, 5), slope_ratio=None if ratio is None else round(ratio, 4),
-                                 break_even_tokens=None if be is None else round(be)))
+                                 break_even_tokens=None if be is None else round(be), problems=problems))
     return fits
+
+
+def fit_warnings(fits: list[BenchFit]) -> list[str]:
+    """One warning per meaningless line: its slope, ratio and break-even are not results."""
+    return [f"{f.variant} batch {f.batch}: the fit is meaningless ({'; '.join(f.problems)}); its slope, slope ratio "
+            "and break-even are not results. Measure more contexts (e.g. --contexts 1k..128k) on a GPU."
+            for f in fits if f.problems]
 
 
 def _check_memory(arch: ModelArch, variant: Variant, batch: int, context: int, device: torch.device) -> None:

@@ -38,6 +38,22 @@ def fit_line(contexts: list[int], itl_ms: list[float]) -> LineFit:
     return LineFit(slope, intercept, r2)
 
 
+MIN_R2 = 0.9
+"""Below this the points do not lie on a line, and the line's slope and intercept describe nothing."""
+
+
+def fit_problems(line: LineFit, contexts: int) -> list[str]:
+    """Why a line through `contexts` distinct contexts says nothing (empty when it is a usable fit)."""
+    problems = []
+    if contexts < 3:
+        problems.append(f"only {contexts} contexts: a line passes through any two points (r2 = 1 by construction)")
+    elif line.r2 < MIN_R2:
+        problems.append(f"r2 {line.r2:.2f} < {MIN_R2}: the times do not grow linearly with the context")
+    if line.intercept_ms < 0:
+        problems.append(f"negative intercept ({line.intercept_ms:.3g} ms): no decode step takes less than nothing")
+    return problems
+
+
 def break_even_tokens(baseline: LineFit, variant: LineFit) -> float | None:
     """Context above which `variant` decodes faster than `baseline`: intercept difference / slope difference.
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvpolicy.runtime.results import BenchResult
 
-INSTALL_HINT = "pip install 'kvpolicy[plot]' (matplotlib) to get the PNG plot; the JSON result is written anyway."
+INSTALL_HINT = "pip install matplotlib (kvpolicy's `plot` extra) to get the PNG plot; the JSON result is written anyway."
 
 
 def have_matplotlib() -> bool:

@@ -90,6 +90,8 @@ class BenchFit(_Model):
     """Slope over BF16's (None for BF16)."""
     break_even_tokens: float | None = None
     """Context above which the variant beats BF16: intercept difference / slope difference (None: never)."""
+    problems: list[str] = Field(default_factory=list)
+    """Why this line means nothing (too few contexts, poor r2, negative intercept); empty for a usable fit."""
 
 
 class BenchResult(_Model):

@@ -163,6 +163,30 @@ class CheckResponse(_Body):
     """One result per deployment, in request (or policy) order."""
 
 
+def check_result(name: str, report: dict[str, Any], error_kind: ErrorKind,
+                 drop: tuple[str, ...] = ()) -> CheckResult:
+    """`check_deployment`'s plain data -> a CheckResult (its whole report kept under `report`)."""
+    if report.get("status") == "error":
+        return CheckResult(name=name, status="error", error=CheckError(
+            error=error_kind, detail=str(report.get("error")), location=None))
+    keep = {k: v for k, v in report.items() if k not in ("name", "status", "violations", "error", *drop)}
+    return CheckResult(name=name, status=report["status"], violations=list(report.get("violations") or []),
+                       report=keep)
+
+
+def check_response(policy: str, source: Literal["request", "policy"], results: list[CheckResult],
+                   strict: bool = False) -> CheckResponse:
+    """The one shape of a check's answer (`kvpolicy check --format json` and `POST /v1/check`).
+
+    With `strict` (the CLI's --strict), a deployment with warnings makes `ok` false, as it fails the exit code.
+    """
+    counts = {s: sum(r.status == s for r in results) for s in ("ok", "violation", "error")}
+    warned = strict and any((r.report or {}).get("warnings") for r in results)
+    return CheckResponse(policy=policy, source=source, ok=counts["ok"] == len(results) and not warned,
+                         num_deployments=len(results), num_ok=counts["ok"], num_violations=counts["violation"],
+                         num_errors=counts["error"], results=results)
+
+
 def field_errors(exc: ValidationError, body: type[BaseModel]) -> list[FieldError]:
     """pydantic errors of validating `body` -> one readable FieldError per problem."""
     out = []

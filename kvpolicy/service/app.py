@@ -47,6 +47,8 @@ from kvpolicy.service.api import (
     ErrorBody,
     FieldError,
     RecommendRequest,
+    check_response,
+    check_result,
     field_errors,
 )
 from kvpolicy.service.metrics import Metrics
@@ -114,7 +116,7 @@ def check(snap: Snapshot, body: CheckRequest) -> CheckResponse:
             dep = Deployment(name=name, model=arch.id, gpu=gpu.id, **req.workload_args())
             report = check_deployment(snap.loaded, dep)
             # A request's deployment is not written in the policy file: no file position.
-            results.append(_result(name, report, "invalid_request", drop=("file", "line", "col")))
+            results.append(check_result(name, report, "invalid_request", drop=("file", "line", "col")))
     else:
         for dep in snap.loaded.policy.deployments:
             if dep.gpu.strip().lower() == "auto":
@@ -124,21 +126,8 @@ def check(snap: Snapshot, body: CheckRequest) -> CheckResponse:
                            "does not evaluate it. Name a catalog GPU in the policy.")))
                 continue
             # The policy file is the operator's, so its deployments may name local config.json files.
-            results.append(_result(dep.name, check_deployment(snap.loaded, dep), "deployment_error"))
-    counts = {s: sum(r.status == s for r in results) for s in ("ok", "violation", "error")}
-    return CheckResponse(policy=snap.label, source="request" if body.deployments is not None else "policy",
-                         ok=counts["ok"] == len(results), num_deployments=len(results), num_ok=counts["ok"],
-                         num_violations=counts["violation"], num_errors=counts["error"], results=results)
-
-
-def _result(name: str, report: dict[str, Any], error_kind: str, drop: tuple[str, ...] = ()) -> CheckResult:
-    """check_deployment's plain data -> a CheckResult (its whole report kept under `report`)."""
-    if report.get("status") == "error":
-        return CheckResult(name=name, status="error", error=CheckError(
-            error=error_kind, detail=str(report.get("error")), location=None))  # type: ignore[arg-type]
-    keep = {k: v for k, v in report.items() if k not in ("name", "status", "violations", "error", *drop)}
-    return CheckResult(name=name, status=report["status"], violations=list(report.get("violations") or []),
-                       report=keep)
+            results.append(check_result(dep.name, check_deployment(snap.loaded, dep), "deployment_error"))
+    return check_response(snap.label, "request" if body.deployments is not None else "policy", results)
 
 
 def parse(raw: bytes, body: type[BaseModel]) -> Any:

@@ -70,12 +70,14 @@ class Curve(_Model):
     option: str
     """The option id."""
     points: list[CurvePoint]
+    """Operating points by rising concurrency, up to twice the KV capacity."""
 
 
 class Excluded(_Model):
     """A KV dtype the policy's rules can choose but not for this model and GPU."""
 
     kv_cache_dtype: str
+    """The dtype, as vLLM spells it."""
     reason: str
     """What the rules said (the condition that failed), or the constraint that forbids it."""
 
@@ -86,6 +88,7 @@ class PlanOption(_Model):
     id: str
     """`<dtype>[+skip]@tp<N>`."""
     kv_cache_dtype: str
+    """`--kv-cache-dtype`."""
     tp: int
     """Tensor-parallel size of one replica."""
     replicas: int
@@ -121,7 +124,9 @@ class PlanOption(_Model):
     load_note: str
     """How the load model reached the figures (queueing, Little's law, waves)."""
     meets_slo: bool
+    """TTFT and TPOT within the targets, not saturated."""
     meets_accuracy: bool
+    """Expected accuracy recovery at or above the floor (unknown counts as below)."""
     failures: list[str] = Field(default_factory=list)
     """Why it misses the targets (empty when it meets them)."""
     warnings: list[str] = Field(default_factory=list)
@@ -131,32 +136,49 @@ class PlanOption(_Model):
 
 
 class Choice(_Model):
+    """An option the plan names, and why."""
+
     option: str
+    """The option id."""
     why: str
+    """The figures that decided it."""
 
 
 class PlanResult(_Model):
     """Everything `kvpolicy plan` returns."""
 
     schema_version: Literal[1] = 1
+    """Version of this document's schema."""
     model: str
+    """Model id as resolved."""
     gpu: str
+    """GPU id as resolved."""
     gpus: int
+    """GPUs the plan may use."""
     traffic: Traffic
+    """The traffic."""
     slo: Slo
+    """The latency targets."""
     accuracy_floor: float
+    """Lowest acceptable accuracy recovery vs BF16."""
     policy: str
+    """Policy name and content hash."""
     engine_choice: str
     """What `recommend` decides at this load (largest valid TP), for reference."""
     options: list[PlanOption]
+    """Every candidate KV format at every TP size whose weights fit, largest TP first."""
     excluded: list[Excluded]
+    """KV dtypes of the policy's rules that are not candidates here, and why."""
     chosen: Choice | None
     """The option that meets the targets with the most tokens/s per GPU (None when none does)."""
     runner_up: Choice | None
+    """The next best option that meets the targets, else the nearest miss."""
     closest: Choice | None = None
     """When nothing meets the targets: the option that misses them by the least."""
     curves: list[Curve]
+    """Closed-loop Pareto curves, one per option."""
     assumptions: list[str]
+    """What the load model assumes, in words."""
 
 
 # -- candidates from the engine ----------------------------------------------------------
@@ -180,7 +202,8 @@ def candidates(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: Loaded
     for dtype in ("auto", "fp8", "turboquant_4bit_nc"):
         probes.add(max(figures.max_concurrency(dtype), 0) + 1)
     picked: list[str] = ["auto"]
-    last_reasons: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    sets = {r.id: r.then.fields().get("kv_cache_dtype") for r in policy.rules}
     for conc in sorted(probes):
         wl = workload.model_copy(update={"concurrency": conc})
         fig = Figures(policy, arch, gpu, wl)
@@ -189,13 +212,23 @@ def candidates(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: Loaded
         dtype = outcome.decision.kv_cache_dtype
         if dtype not in picked:
             picked.append(dtype)
+        decided_by = outcome.trace["fields"]["kv_cache_dtype"]["decided_by"]
         for rule in outcome.trace["rules"]:
-            for r in policy.rules:
-                if r.id == rule["id"] and r.then.fields().get("kv_cache_dtype") and not rule["matched"]:
-                    last_reasons[r.then.fields()["kv_cache_dtype"]] = f"{r.id} {r.name}: {rule['reason']}"
+            wanted = sets.get(rule["id"])
+            if not wanted or wanted == dtype:
+                continue
+            if rule["matched"]:
+                why = f"{rule['id']} {rule['name']} matched at concurrency {conc}, but {decided_by} decided {dtype}"
+            else:
+                why = f"{rule['id']} {rule['name']}: {rule['reason']}"
+            # A failing condition on the model or GPU says more than one on the load (memory.*), which the
+            # probes vary on purpose: keep the first of those.
+            old = reasons.get(wanted)
+            if old is None or (" memory." in old or ": memory." in old) and ": memory." not in why:
+                reasons[wanted] = why
     vocabulary = dict.fromkeys(r.then.fields()["kv_cache_dtype"] for r in policy.rules
                                if r.enabled and r.then.fields().get("kv_cache_dtype"))
-    excluded = [Excluded(kv_cache_dtype=d, reason=last_reasons.get(d, "no rule chose it at any load"))
+    excluded = [Excluded(kv_cache_dtype=d, reason=reasons.get(d, "no rule chose it at any load"))
                 for d in vocabulary if d not in picked]
     return picked, excluded
 
@@ -304,7 +337,7 @@ def _option(rec: Recommendation, figures: Figures, traffic: Traffic, slo: Slo, t
     acc = rec.estimates.accuracy_recovery
     failures: list[str] = []
     if load.saturated:
-        failures.append(load.note.split("; ")[-1] if "saturated" in load.note else "saturated")
+        failures.append(load.note[load.note.find("saturated"):] if "saturated" in load.note else "saturated")
     if slo.ttft_s is not None and (ttft.value is None or ttft.value > slo.ttft_s):
         failures.append(f"TTFT {_num(ttft.value, 's')} > {slo.ttft_s:g} s")
     if slo.tpot_ms is not None and (tpot.value is None or tpot.value > slo.tpot_ms):

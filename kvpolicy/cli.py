@@ -22,6 +22,7 @@ EXIT_INTERNAL = 3
 COMMANDS: dict[str, tuple[str, str]] = {
     "recommend": ("kvpolicy.commands.recommend", "Recommend KV-cache settings for a model on a GPU."),
     "explain": ("kvpolicy.commands.recommend", "Show the full rule trace of one decision."),
+    "plan": ("kvpolicy.commands.plan", "Choose the KV format and TP size for a traffic and TTFT/TPOT targets."),
     "init": ("kvpolicy.commands.policy", "Write a commented starter policy and its tests in this folder."),
     "lint": ("kvpolicy.commands.policy", "Find schema errors, unreachable/shadowed rules and bad thresholds."),
     "test": ("kvpolicy.commands.policy", "Run the policy unit tests (*_test.yaml) next to each policy."),

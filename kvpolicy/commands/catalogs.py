@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from kvpolicy.errors import InputError, PolicyFailure, did_you_mean
@@ -125,7 +126,17 @@ def schemas() -> dict[str, dict]:
         "serve-check-request.schema.json": json_schema(api.CheckRequest, "kvpolicy serve: POST /v1/check body"),
         "serve-check-response.schema.json": json_schema(api.CheckResponse, "kvpolicy serve: POST /v1/check response"),
         "serve-error.schema.json": json_schema(api.ErrorBody, "kvpolicy serve: error response (4xx/5xx)"),
+        **_plan_schemas(json_schema),
     }
+
+
+def _plan_schemas(json_schema: Callable[..., dict]) -> dict[str, dict]:
+    """`kvpolicy plan --format json` and the body of `POST /v1/plan`."""
+    from kvpolicy.outputs.plan import PlanResult
+    from kvpolicy.service.plan_api import PlanRequest
+
+    return {"plan.schema.json": json_schema(PlanResult, "kvpolicy plan"),
+            "serve-plan-request.schema.json": json_schema(PlanRequest, "kvpolicy serve: POST /v1/plan body")}
 
 
 def _schema(args: argparse.Namespace) -> int:

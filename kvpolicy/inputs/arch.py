@@ -261,6 +261,8 @@ class ModelArch(BaseModel):
     """Override (or older catalog value): weight memory in GB (1e9 bytes), all ranks together."""
     params_b: float | None = Field(default=None, gt=0)
     """Total parameters in billions; weights default to 2 bytes each when nothing else is known."""
+    active_params_b: float | None = Field(default=None, gt=0)
+    """Weights one token multiplies through, in billions (routed experts: top-k of them; no embeddings)."""
     tp_rules: list[TpRule] = Field(default_factory=list)
     """vLLM's divisibility rules for the tensor-parallel size (derived from heads when not given)."""
     source: str = ""

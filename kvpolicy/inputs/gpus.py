@@ -38,6 +38,8 @@ class GpuSpec(BaseModel):
     """FP8 encodings the tensor cores take (e4m3, e5m2, e4m3fnuz...)."""
     num_sms: int | None = Field(default=None, gt=0)
     """Streaming multiprocessors (compute units on AMD)."""
+    bf16_dense_tflops: float | None = Field(default=None, gt=0)
+    """Dense BF16 tensor-core peak in TFLOPS (no sparsity); the prefill model of `kvpolicy plan` reads it."""
     source: str = ""
     """Where the numbers come from."""
 

@@ -367,6 +367,19 @@ class _Ignore:
         return bool(self.regex and self.regex.match(name))
 
 
+def active_matmul_params(mods: list[Module], cfg: dict[str, Any]) -> int:
+    """Weights one text token multiplies through (lm_head included, embeddings and the vision tower not):
+    routed experts count `num_experts_per_tok` of their copies. Two FLOPs per such weight per token."""
+    top_k = _i(cfg, "num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k")
+    total = 0
+    for m in mods:
+        if not m.linears or m.name.startswith(("model.visual", "multi_modal_projector", "vision")):
+            continue
+        copies = min(top_k, m.count) if m.experts and top_k else m.count
+        total += copies * sum(n * k for n, k in m.linears)
+    return total
+
+
 def weights_bytes(mods: list[Module], sch: Scheme) -> tuple[int, int]:
     """(bytes vLLM loads, parameters) for the modules under one scheme."""
     skip = _Ignore(sch.ignore)

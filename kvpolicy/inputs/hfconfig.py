@@ -227,6 +227,7 @@ def arch_from_hf_config(config: dict[str, Any], model_id: str, source: str, *,
         "weights_basis": w_basis,
         "weights_gb": weights_gb,
         "params_b": round(params / 1e9, 3) or None,
+        "active_params_b": round(hf_weights.active_matmul_params(mods, cfg) / 1e9, 3) or None,
         "tp_rules": rules,
         "source": source,
     }

@@ -52,13 +52,14 @@ from kvpolicy.service.api import (
     field_errors,
 )
 from kvpolicy.service.metrics import Metrics
+from kvpolicy.service.plan_api import PlanRequest, evaluate_plan
 from kvpolicy.service.reload import PolicyHolder, Snapshot
 
 log = logging.getLogger("kvpolicy.serve")
 
 POLICY_HEADER = "X-Kvpolicy-Policy"
 """Response header holding the serving policy's content hash (12 hex digits)."""
-ROUTES = ("/healthz", "/metrics", "/v1/models", "/v1/gpus", "/v1/recommend", "/v1/check")
+ROUTES = ("/healthz", "/metrics", "/v1/models", "/v1/gpus", "/v1/recommend", "/v1/check", "/v1/plan")
 
 
 class ServiceError(Exception):
@@ -144,7 +145,8 @@ def parse(raw: bytes, body: type[BaseModel]) -> Any:
 
 
 _SCHEMA_FILES = {RecommendRequest: "serve-recommend-request.schema.json",
-                 CheckRequest: "serve-check-request.schema.json"}
+                 CheckRequest: "serve-check-request.schema.json",
+                 PlanRequest: "serve-plan-request.schema.json"}
 
 
 # -- HTTP plumbing ----------------------------------------------------------------------------
@@ -223,6 +225,14 @@ class Service:
         raw = await read_body(request)
         body = parse(raw, CheckRequest) if raw.strip() else CheckRequest()
         result = await run_in_threadpool(check, snap, body)
+        return _json(snap, result.model_dump_json())
+
+    async def plan(self, request: Request) -> Response:
+        """POST /v1/plan: traffic and targets -> PlanResult (the schema of `plan --format json`)."""
+        snap = self.holder.current
+        req = parse(await read_body(request), PlanRequest)
+        # A plan is tens of evaluations (formats x TP sizes x load probes): off the event loop.
+        result = await run_in_threadpool(evaluate_plan, snap.loaded, req, resolve, ServiceError)
         return _json(snap, result.model_dump_json())
 
     async def models(self, request: Request) -> Response:
@@ -322,6 +332,7 @@ def create_app(holder: PolicyHolder, *, reload_interval_s: float = 1.0) -> ASGIA
     routes = [
         Route("/v1/recommend", service.recommend, methods=["POST"]),
         Route("/v1/check", service.check, methods=["POST"]),
+        Route("/v1/plan", service.plan, methods=["POST"]),
         Route("/v1/models", service.models, methods=["GET"]),
         Route("/v1/gpus", service.gpus, methods=["GET"]),
         Route("/healthz", service.healthz, methods=["GET"]),

@@ -95,7 +95,7 @@ def plot_plan(result: PlanResult, path: str) -> Path:
     except ImportError:
         from kvpolicy.errors import InputError
 
-        raise InputError("--plot needs matplotlib: pip install 'kvpolicy[plot]'.") from None
+        raise InputError("--plot needs matplotlib: `pip install matplotlib` (kvpolicy's `plot` extra).") from None
     fig, ax = plt.subplots(figsize=(8, 5.5))
     ttft = result.slo.ttft_s
     for curve in result.curves:

@@ -264,6 +264,8 @@ def problems(dtype: str, backend: str | None, sm: int | None, shape: AttentionSh
     version = matrix().vllm_version
     if vendor != "nvidia":
         return []
+    # Checkpoint scales only reach the kernels of an FP8 cache (per-token-head formats ignore them).
+    per_head_scales = per_head_scales and dtype in FORMATS and FORMATS[dtype].family == "fp8"
     no_dtype = dtype_refusal(dtype, sm, shape, vendor=vendor)
     if no_dtype:
         return [no_dtype]

@@ -84,7 +84,9 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
 
     Violations (exit code 1): the weights leave no room for a KV cache; the chosen
     cache cannot hold the deployment's concurrency at its context; uncalibrated
-    scales are expected below the deployment's accuracy floor.
+    scales are expected below the deployment's accuracy floor. What stock vLLM cannot
+    carry out (`Recommendation.unsupported`, the list `apply --strict` refuses) joins
+    the warnings, so `check --strict` refuses exactly that too.
     """
     file, line, col = Sources.of(loaded).deployment(dep.name)
     out: dict[str, object] = {"name": dep.name, "file": file, "line": line, "col": col}
@@ -106,7 +108,8 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
         violations.append(f"expected accuracy recovery {recovery:.0%} with uncalibrated scales is below the floor "
                           f"{wl.accuracy_floor:.0%}; calibrate scales or keep BF16.")
     return {**out, "status": "violation" if violations else "ok", "violations": violations,
-            "warnings": rec.warnings, "advice": rec.alternatives, "decision": d.model_dump(),
+            "warnings": rec.warnings + [f"stock vLLM cannot carry out: {g}" for g in rec.unsupported],
+            "advice": rec.alternatives, "decision": d.model_dump(),
             "vllm_args": rec.vllm_args,
             "decided_by": {k: v.decided_by for k, v in rec.trace.fields.items()},
             "capacity": {"max_concurrency": est.max_concurrency.value, "concurrency": wl.concurrency,

@@ -56,5 +56,6 @@ def lint_loaded(loaded: LoadedPolicy) -> list[Finding]:
     lint_checks.pins_and_constraints(linter)
     lint_checks.thresholds(linter)
     lint_checks.deployments(linter)
+    lint_checks.servability(linter)
     return sorted(linter.findings, key=lambda f: (f.file, f.line or 0, f.col or 0, f.code))
 

@@ -250,6 +250,8 @@ def dtype_refusal(dtype: str, sm: int | None, shape: AttentionShape, *, vendor: 
         return f"{dtype} is stored only on {', '.join(fmt.platforms)} backends"
     if platform != "cuda" or sm is None:
         return None
+    if auto_backend("auto", sm, shape) is None:
+        return None  # no backend runs this model on this GPU at all: `model_refusal` says so, not the dtype
     if auto_backend(dtype, sm, shape) is None:
         named = [b for b, row in matrix().backends.items() if dtype in row.kv_dtypes and row.kind == shape.kind]
         why = "; ".join(f"{b}: {', '.join(refusals(b, dtype, sm, shape))}" for b in named) or \
@@ -266,6 +268,9 @@ def problems(dtype: str, backend: str | None, sm: int | None, shape: AttentionSh
         return []
     # Checkpoint scales only reach the kernels of an FP8 cache (per-token-head formats ignore them).
     per_head_scales = per_head_scales and dtype in FORMATS and FORMATS[dtype].family == "fp8"
+    if sm is not None and auto_backend("auto", sm, shape) is None:
+        return [f"no vLLM {version} attention backend runs {shape.kind.replace('_', ' ')} attention with head sizes "
+                f"{', '.join(map(str, shape.head_sizes))} on SM {sm / 10:.1f}: choose another GPU"]
     no_dtype = dtype_refusal(dtype, sm, shape, vendor=vendor)
     if no_dtype:
         return [no_dtype]

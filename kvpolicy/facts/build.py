@@ -138,7 +138,10 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
     extra = ("fp8_ds_mla", "nvfp4_ds_mla") if shape.kind == "sparse_mla" else \
         () if shape.kind == "mla" else ("nvfp4", "int4_per_token_head")
     for dtype in ("nvfp4", "int4_per_token_head", "fp8_ds_mla", "nvfp4_ds_mla"):
-        n = fig.max_concurrency(dtype) if dtype in extra else None
+        try:
+            n = fig.max_concurrency(dtype) if dtype in extra else None
+        except ValueError:  # a layout vLLM asserts against (nvfp4 with unequal K/V head sizes)
+            n = None
         f[f"memory.max_concurrency_{dtype}"] = n
         f[f"memory.fits_{dtype}"] = n is not None and n >= workload.concurrency
     need = fig.plan("auto").request_bytes * workload.concurrency

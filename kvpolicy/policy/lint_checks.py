@@ -352,7 +352,7 @@ SERVABILITY_GRID = (
 """Models (with a tensor-parallel size that fits them) the servability check runs each policy over:
 GQA with and without sinks/sliding windows, heterogeneous head sizes, dense and sparse MLA."""
 SERVABILITY_GPUS = ("a100", "l40s", "h100", "b200")
-SERVABILITY_CONTEXTS = ("8k", "128k", "256k")
+SERVABILITY_CONTEXTS = ("8k", "128k")
 
 
 def servability(lt: Linter) -> None:
@@ -362,7 +362,7 @@ def servability(lt: Linter) -> None:
     deployments: a rule the engine had to skip for vLLM's sake, or a pin that decided a
     field of a decision the compatibility check refuses, is reported once, with one case.
     """
-    from kvpolicy.facts.backends import AttentionShape, problems
+    from kvpolicy.facts.backends import AttentionShape, auto_backend, problems
     from kvpolicy.facts.build import build_facts
     from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
     from kvpolicy.inputs.workload import make_workload
@@ -401,7 +401,10 @@ def servability(lt: Linter) -> None:
         pinned = {v["decided_by"][4:] for v in outcome.trace["fields"].values() if v["decided_by"].startswith("pin:")}
         if not pinned:
             continue
-        why = problems(d.kv_cache_dtype, d.attention_backend, gpu.sm, AttentionShape.of(arch, workload.tp),
+        shape = AttentionShape.of(arch, workload.tp)
+        if gpu.vendor != "nvidia" or auto_backend("auto", gpu.sm, shape) is None:
+            continue  # vLLM runs this model on no backend of this GPU: not the pin's doing
+        why = problems(d.kv_cache_dtype, d.attention_backend, gpu.sm, shape,
                        per_head_scales=d.scale_source == "checkpoint_per_head", vendor=gpu.vendor)
         for name in sorted(pinned - seen):
             if why:

@@ -308,7 +308,7 @@ def decide(policy: Policy, facts: dict[str, Any]) -> Outcome:
             if pattern is not None:
                 out["reason"] += f"; {field_name}={value} is forbidden by constraint `{pattern}`"
                 continue
-            refused = _unservable(field_name, value, facts)
+            refused = _unservable(field_name, value, facts) if winner is None else None
             if refused is not None:
                 out["reason"] += f"; {field_name}={value} is not served by vLLM 0.33 here: {refused}"
                 continue

@@ -86,7 +86,8 @@ cases:
     accuracy_floor: 0.5
     expect: {error: min_accuracy_floor}
   - name: facts-only
-    facts: {gpu.generation: blackwell, workload.context_tokens: 100000, latency.fp8_best_break_even_tokens: 4000}
+    facts: {gpu.generation: blackwell, gpu.fp8_compute: true, workload.context_tokens: 100000,
+            latency.fp8_best_break_even_tokens: 4000}
     expect: {kv_cache_dtype: fp8, attention_backend: FLASHINFER}
 """
 

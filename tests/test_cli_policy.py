@@ -88,7 +88,7 @@ def test_check_the_team_example(capsys):
     code, out, _ = run_cli(capsys, "check", str(TEAM), "-d", "agent-kimi", "--format", "json")
     data = json.loads(out)
     assert code == 0 and [d["name"] for d in data["results"]] == ["agent-kimi"]
-    assert data["results"][0]["report"]["decided_by"]["scale_source"] == "pin:kimi-k2.5-per-head-scales"
+    assert data["results"][0]["report"]["decided_by"]["scale_source"] == "pin:kimi-k2.5-calibrated-scales"
 
 
 def test_check_json_is_the_services_check_response(capsys):

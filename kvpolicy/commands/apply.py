@@ -93,6 +93,7 @@ def user_config_keys(user_args: list[str], emit_config: str | None) -> dict[str,
 def decide(args: argparse.Namespace) -> tuple[Recommendation, ModelArch, str]:
     """The recommendation for --model/--gpu or --deployment, its model, and the model as vLLM loads it."""
     from kvpolicy.commands.common import deployment_inputs_from_args, resolve_inputs
+    from kvpolicy.outputs.compat import model_for_vllm
     from kvpolicy.outputs.recommend import recommend
 
     if args.deployment:
@@ -105,34 +106,6 @@ def decide(args: argparse.Namespace) -> tuple[Recommendation, ModelArch, str]:
     arch, gpu, workload, loaded = inputs.arch, inputs.gpu, inputs.workload, inputs.loaded
     rec = recommend(arch, gpu, workload, loaded)
     return rec, arch, model_for_vllm(arch, args.model)
-
-
-def model_for_vllm(arch: ModelArch, spec: str | None) -> str:
-    """A local checkpoint's absolute folder, else the Hugging Face id (or the name as given)."""
-    source = Path(arch.source) if arch.source else None
-    if source is not None and source.name == "config.json" and source.is_file():
-        return str(source.resolve().parent)
-    return arch.hf_id or spec or arch.id
-
-
-def stock_gaps(rec: Recommendation, arch: ModelArch, model_ref: str) -> list[str]:
-    """What stock vLLM cannot carry out of this decision, each with what it needs."""
-    from kvpolicy.outputs.calibrate import scale_gap
-
-    decision = rec.decision
-    gaps = []
-    if decision.two_level_accumulation == "off":
-        gaps.append("two-level accumulation off: stock vLLM FA3 FP8 builds always use it; turning it off needs a "
-                    "custom vllm-flash-attn build with FLASH_ATTENTION_DISABLE_FP8_TWO_LEVEL_ACCUMULATION=TRUE.")
-    scales = scale_gap(decision, model_ref)
-    if scales:
-        gaps.append(scales)
-    if decision.scale_source == "checkpoint_per_head" and decision.attention_backend not in (None, "FLASH_ATTN"):
-        gaps.append(f"per-head FP8 scales work only with FLASH_ATTN, not {decision.attention_backend}.")
-    if decision.kv_cache_dtype.startswith("turboquant") and arch.is_hybrid:
-        gaps.append(f"{decision.kv_cache_dtype} on {arch.id}: vLLM's TurboQuant has no support for hybrid or "
-                    "sliding-window models (vLLM issue #50709); use fp8 or keep BF16.")
-    return gaps
 
 
 def _note(text: str) -> None:
@@ -162,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_flags(rec.decision, rec.workload, version)
     flags, overrides = merge_user_args(plan, user_args, config_keys=user_config_keys(user_args, args.emit_config))
     command = (install.serve_command(model_ref) if install else ["vllm", "serve", model_ref]) + flags
-    gaps = plan.gaps + stock_gaps(rec, arch, model_ref)
+    gaps = plan.gaps + rec.unsupported
 
     d = rec.decision
     skips = ", ".join(d.skip_layers) or "none"

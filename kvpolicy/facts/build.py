@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpolicy.facts.backends import AttentionShape
 from kvpolicy.facts.estimates import Figures
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
@@ -31,6 +32,11 @@ FACTS: dict[str, str] = {
     "model.sliding_window": "sliding window in tokens (absent when none)",
     "model.is_hybrid": "more than one kind of layer cache (sliding, chunked, recurrent or shared beside full)",
     "model.has_attention_sinks": "learned attention sinks (gpt-oss)",
+    "model.head_sizes": "every attention head size over the layers, joined by commas (MLA: the latent width)",
+    "model.sparse_mla": "MLA with the DSA indexer (DeepSeek-V3.2, GLM-5): served by the sparse-MLA backends",
+    "model.qk_nope_head_dim": "MLA: the non-RoPE part of the query/key head (absent without MLA)",
+    "model.num_attention_heads_per_rank": "query heads per tensor-parallel rank",
+    "model.has_kv_scales": "the checkpoint declares calibrated KV-cache scales (a kv_cache_scheme)",
     "gpu.id": "catalog id of the GPU",
     "gpu.vendor": "nvidia or amd",
     "gpu.generation": "ampere, ada, hopper, blackwell, cdna3 or cdna4",
@@ -50,6 +56,14 @@ FACTS: dict[str, str] = {
     "memory.fits_bf16": "the concurrency fits with a BF16 cache",
     "memory.fits_fp8": "the concurrency fits with an FP8 cache",
     "memory.fits_turboquant_4bit_nc": "the concurrency fits with turboquant_4bit_nc",
+    "memory.max_concurrency_nvfp4": "requests at the context that fit with an nvfp4 cache",
+    "memory.fits_nvfp4": "the concurrency fits with an nvfp4 cache",
+    "memory.max_concurrency_int4_per_token_head": "requests at the context that fit with int4_per_token_head",
+    "memory.fits_int4_per_token_head": "the concurrency fits with int4_per_token_head",
+    "memory.max_concurrency_fp8_ds_mla": "requests at the context that fit with fp8_ds_mla (sparse MLA)",
+    "memory.fits_fp8_ds_mla": "the concurrency fits with fp8_ds_mla (sparse MLA)",
+    "memory.max_concurrency_nvfp4_ds_mla": "requests at the context that fit with nvfp4_ds_mla (sparse MLA)",
+    "memory.fits_nvfp4_ds_mla": "the concurrency fits with nvfp4_ds_mla (sparse MLA)",
     "memory.pressure_bf16": "KV needed / KV available with BF16 (above 1: does not fit)",
     "latency.fp8_break_even_tokens": "context above which FP8 (all layers) decodes faster than BF16",
     "latency.fp8_skip_sliding_break_even_tokens": "the same with sliding layers kept BF16 (absent without sliding layers)",
@@ -65,6 +79,7 @@ FACTS: dict[str, str] = {
     "decision.two_level_accumulation": "on, off or not_applicable",
     "decision.scale_source": "scale source decided so far",
     "decision.attention_backend": "attention backend (advice rules only: it is decided last)",
+    "decision.vllm_backend": "the backend vLLM 0.33 picks by itself for the decided dtype (None: none serves it)",
 }
 """Every fact path with a one-line description."""
 
@@ -76,6 +91,7 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
     `figures` (of these same inputs) keeps the derived figures for `estimate` to reuse.
     """
     fig = figures if figures is not None else Figures(policy, arch, gpu, workload)
+    shape = AttentionShape.of(arch, workload.tp)
     f: dict[str, Any] = {
         "model.id": arch.id,
         "model.family": arch.family,
@@ -92,6 +108,11 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
         "model.sliding_window": arch.sliding_window if arch.count("sliding") else None,
         "model.is_hybrid": arch.is_hybrid,
         "model.has_attention_sinks": arch.has_attention_sinks,
+        "model.head_sizes": ",".join(str(h) for h in shape.head_sizes),
+        "model.sparse_mla": shape.kind == "sparse_mla",
+        "model.qk_nope_head_dim": shape.qk_nope_head_dim,
+        "model.num_attention_heads_per_rank": shape.num_heads,
+        "model.has_kv_scales": arch.kv_cache_scheme is not None,
         "gpu.id": gpu.id,
         "gpu.vendor": gpu.vendor,
         "gpu.generation": gpu.generation,
@@ -113,6 +134,16 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
     f["memory.fits_bf16"] = conc["auto"] >= workload.concurrency
     f["memory.fits_fp8"] = conc["fp8"] >= workload.concurrency
     f["memory.fits_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"] >= workload.concurrency
+    # The newer formats, only where they are a format of this kind of model.
+    extra = ("fp8_ds_mla", "nvfp4_ds_mla") if shape.kind == "sparse_mla" else \
+        () if shape.kind == "mla" else ("nvfp4", "int4_per_token_head")
+    for dtype in ("nvfp4", "int4_per_token_head", "fp8_ds_mla", "nvfp4_ds_mla"):
+        try:
+            n = fig.max_concurrency(dtype) if dtype in extra else None
+        except ValueError:  # a layout vLLM asserts against (nvfp4 with unequal K/V head sizes)
+            n = None
+        f[f"memory.max_concurrency_{dtype}"] = n
+        f[f"memory.fits_{dtype}"] = n is not None and n >= workload.concurrency
     need = fig.plan("auto").request_bytes * workload.concurrency
     f["memory.pressure_bf16"] = round(need / fig.budget, 3) if fig.budget > 0 else None
 

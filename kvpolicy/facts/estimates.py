@@ -265,6 +265,8 @@ def estimate(figures: Figures, kv_cache_dtype: str, skip_layers: list[str], fact
     ctx = workload.context_tokens
     state = kv_plan.state_request_bytes
     state_text = f", {state:,} of them recurrent state" if state else ""
+    # What vLLM changes about the request (TurboQuant's boundary layers, sparse-MLA canonicalisation).
+    state_text += "".join(f"; {note}" for note in layout.notes)
     return Estimates(
         kv_bytes_per_token=layout.bytes_by_kind(),
         kv_bytes_per_token_bf16=bf16.bytes_by_kind(),

@@ -13,6 +13,7 @@ from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_loader import LoadedPolicy
 from kvpolicy.inputs.workload import Workload
+from kvpolicy.outputs.compat import unsupported
 from kvpolicy.outputs.vllm_flags import serve_args
 from kvpolicy.rules.decision import EvidenceRef, Recommendation, Trace
 from kvpolicy.rules.engine import decide
@@ -40,6 +41,7 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
         estimates=ests,
         warnings=outcome.warnings,
         alternatives=outcome.alternatives,
+        unsupported=unsupported(decision, arch, gpu, workload.tp),
         evidence=evidence,
         trace=Trace.model_validate(outcome.trace),
     )

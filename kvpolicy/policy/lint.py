@@ -57,5 +57,6 @@ def lint_loaded(loaded: LoadedPolicy) -> list[Finding]:
     lint_checks.thresholds(linter)
     lint_checks.measured_break_even(linter)
     lint_checks.deployments(linter)
+    lint_checks.servability(linter)
     return sorted(linter.findings, key=lambda f: (f.file, f.line or 0, f.col or 0, f.code))
 

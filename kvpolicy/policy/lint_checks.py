@@ -48,6 +48,8 @@ CHECKS = [
     Check("KVL107", "forbidden-value", "error", "A rule, pin or default sets a value a constraint forbids."),
     Check("KVL108", "decision-read-too-early", "error",
           "A condition reads `decision.X` before X is decided (it always sees no value)."),
+    Check("KVL109", "unservable-rule", "warning",
+          "A rule sets a KV dtype or backend vLLM 0.33 refuses for some model/GPU it matches (the engine skips it there)."),
     Check("KVL201", "threshold-out-of-range", "error", "A threshold's value lies outside its `min`/`max`."),
     Check("KVL202", "unused-threshold", "warning", "A threshold no rule, pin or estimate reads."),
     Check("KVL203", "threshold-bounds-changed", "warning", "An extending file moves an inherited threshold's `min`/`max`."),
@@ -56,6 +58,8 @@ CHECKS = [
           "break-even instead."),
     Check("KVL301", "overridden-pin", "warning", "A later pin always replaces this pin's field."),
     Check("KVL302", "constraint-matches-nothing", "warning", "A `forbid` pattern that matches no known value."),
+    Check("KVL303", "unservable-pin", "error",
+          "A pin produces a dtype/backend/scales combination vLLM 0.33 refuses (check --strict and apply --strict refuse it)."),
     Check("KVL401", "bad-deployment", "error", "A deployment names an unknown model or GPU, or an invalid context."),
     Check("KVL402", "deployment-floor-too-low", "error", "A deployment's accuracy floor is below `min_accuracy_floor`."),
 ]
@@ -65,6 +69,7 @@ LOAD_CODES = {"yaml": "KVL001", "schema": "KVL002", "unknown-key": "KVL003", "ex
 CODE_THRESHOLDS = {"break_even_tokens", "fp8_slope_overhead", "accuracy_floor"}
 """Thresholds kvpolicy's estimates and defaults read (besides those rules name)."""
 DECISION_FACT_FIELD = {"decision.kv_cache_dtype": "kv_cache_dtype", "decision.kv_format": "kv_cache_dtype",
+                       "decision.vllm_backend": "kv_cache_dtype",
                        "decision.skip_layers": "skip_layers",
                        "decision.two_level_accumulation": "two_level_accumulation",
                        "decision.scale_source": "scale_source", "decision.attention_backend": "attention_backend"}
@@ -380,3 +385,71 @@ def deployments(lt: Linter) -> None:
             prefix = f"{at[0]}:{at[1]}:{at[2]}: " if at[1] is not None else ""
             lt.emit("KVL401", message.removeprefix(prefix), at)
 
+
+
+SERVABILITY_GRID = (
+    ("llama-3.1-8b", 1), ("gpt-oss-20b", 1), ("gemma-4-31b-it", 1), ("qwen3-30b-a3b", 1),
+    ("deepseek-v3", 8), ("deepseek-v3.2-exp", 8), ("kimi-k2.5", 8),
+)
+"""Models (with a tensor-parallel size that fits them) the servability check runs each policy over:
+GQA with and without sinks/sliding windows, heterogeneous head sizes, dense and sparse MLA."""
+SERVABILITY_GPUS = ("a100", "l40s", "h100", "b200")
+SERVABILITY_CONTEXTS = ("8k", "128k")
+
+
+def servability(lt: Linter) -> None:
+    """KVL109 rules and KVL303 pins that would produce a combination vLLM 0.33 refuses (support matrix).
+
+    Runs the policy over a fixed grid of models, GPUs and contexts plus the policy's own
+    deployments: a rule the engine had to skip for vLLM's sake, or a pin that decided a
+    field of a decision the compatibility check refuses, is reported once, with one case.
+    """
+    from kvpolicy.facts.backends import AttentionShape, auto_backend, problems
+    from kvpolicy.facts.build import build_facts
+    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.workload import make_workload
+    from kvpolicy.policy.deployments import deployment_inputs
+    from kvpolicy.rules.engine import decide
+
+    cases = []
+    for model, tp in SERVABILITY_GRID:
+        for gpu in SERVABILITY_GPUS:
+            for ctx in SERVABILITY_CONTEXTS:
+                try:
+                    cases.append((resolve_model(model), resolve_gpu(gpu),
+                                  make_workload(lt.loaded, context=ctx, tp=tp)))
+                except KvPolicyError:
+                    continue
+    for dep in lt.policy.deployments:
+        try:
+            cases.append(deployment_inputs(lt.loaded, dep))
+        except KvPolicyError:
+            continue  # KVL401 reports it
+    seen: set[str] = set()
+    for arch, gpu, workload in cases:
+        try:
+            outcome = decide(lt.policy, build_facts(arch, gpu, workload, lt.policy))
+        except KvPolicyError:
+            continue
+        where = f"{arch.id} on {gpu.id} at {workload.context_tokens:,} tokens"
+        for out in outcome.trace["rules"]:
+            marker = "is not served by vLLM 0.33 here: "
+            if marker in out["reason"] and out["id"] not in seen:
+                seen.add(out["id"])
+                lt.emit("KVL109", f"rule {out['id']} sets a value vLLM 0.33 refuses for {where} "
+                        f"({out['reason'].split('; ', 1)[-1]}); the engine skips it there. Narrow its `when:`.",
+                        lt.src.rule(out["id"]))
+        d = outcome.decision
+        pinned = {v["decided_by"][4:] for v in outcome.trace["fields"].values() if v["decided_by"].startswith("pin:")}
+        if not pinned:
+            continue
+        shape = AttentionShape.of(arch, workload.tp)
+        if gpu.vendor != "nvidia" or auto_backend("auto", gpu.sm, shape) is None:
+            continue  # vLLM runs this model on no backend of this GPU: not the pin's doing
+        why = problems(d.kv_cache_dtype, d.attention_backend, gpu.sm, shape,
+                       per_head_scales=d.scale_source == "checkpoint_per_head", vendor=gpu.vendor)
+        for name in sorted(pinned - seen):
+            if why:
+                seen.add(name)
+                lt.emit("KVL303", f"pin `{name}` gives a decision vLLM 0.33 refuses for {where}: {why[0]}",
+                        lt.src.pin(name, "set"), lt.src.pin(name))

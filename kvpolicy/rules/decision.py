@@ -110,6 +110,9 @@ class Recommendation(_Model):
     """What the user must know or do (custom builds, calibration, accuracy caveats)."""
     alternatives: list[str] = Field(default_factory=list)
     """Options considered and why they were not chosen."""
+    unsupported: list[str] = Field(default_factory=list)
+    """What stock vLLM 0.33 would refuse or cannot carry out of this decision (`check --strict` and
+    `apply --strict` refuse it)."""
     evidence: list[EvidenceRef]
     """Evidence cited by the rules that decided."""
     trace: Trace

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpolicy.errors import PolicyError
+from kvpolicy.facts import backends
 from kvpolicy.facts.formats import FORMATS
 from kvpolicy.inputs.policy_schema import (
     DECISION_FIELDS,
@@ -198,10 +199,40 @@ def _forbidden(policy: Policy, field_name: str, value: Any) -> str | None:
     return None
 
 
-def _decision_fact(field_name: str, value: Any) -> dict[str, Any]:
+def _shape(facts: dict[str, Any]) -> backends.AttentionShape | None:
+    """The model's attention as the backends see it; None for raw test facts without a model."""
+    if facts.get("model.attention") is None or (facts.get("model.head_sizes") is None
+                                                and facts.get("model.head_dim") is None):
+        return None
+    return backends.AttentionShape.from_facts(facts)
+
+
+def _unservable(field_name: str, value: Any, facts: dict[str, Any]) -> str | None:
+    """Why vLLM 0.33 would refuse a rule's value for this model and GPU (the support matrix), else None."""
+    shape = _shape(facts)
+    if shape is None or facts.get("gpu.vendor", "nvidia") != "nvidia":
+        return None
+    sm = facts.get("gpu.sm")
+    if field_name == "kv_cache_dtype":
+        return backends.dtype_refusal(str(value), sm, shape)
+    if field_name == "attention_backend" and value is not None:
+        dtype = facts.get("decision.kv_cache_dtype") or "auto"
+        if backends.dtype_refusal(dtype, sm, shape):
+            return None  # the dtype itself is the problem (a pin); the compatibility check reports it
+        why = backends.refusals(str(value), dtype, sm, shape,
+                                per_head_scales=facts.get("decision.scale_source") == "checkpoint_per_head"
+                                and facts.get("decision.kv_format") == "fp8")
+        return "; ".join(why) or None
+    return None
+
+
+def _decision_fact(field_name: str, value: Any, facts: dict[str, Any]) -> dict[str, Any]:
     if field_name == "kv_cache_dtype":
         fmt = FORMATS.get(value)
-        return {"decision.kv_cache_dtype": value, "decision.kv_format": fmt.kind if fmt else None}
+        shape = _shape(facts)
+        auto = backends.auto_backend(value, facts.get("gpu.sm"), shape) if shape and fmt else None
+        return {"decision.kv_cache_dtype": value, "decision.kv_format": fmt.kind if fmt else None,
+                "decision.vllm_backend": auto}
     if field_name == "skip_layers":
         return {"decision.skip_layers": ",".join(value)}
     return {f"decision.{field_name}": value}
@@ -277,6 +308,10 @@ def decide(policy: Policy, facts: dict[str, Any]) -> Outcome:
             if pattern is not None:
                 out["reason"] += f"; {field_name}={value} is forbidden by constraint `{pattern}`"
                 continue
+            refused = _unservable(field_name, value, facts) if winner is None else None
+            if refused is not None:
+                out["reason"] += f"; {field_name}={value} is not served by vLLM 0.33 here: {refused}"
+                continue
             if winner is None:
                 winner = (value, rule.id)
                 out["decided"].append(field_name)
@@ -311,7 +346,7 @@ def decide(policy: Policy, facts: dict[str, Any]) -> Outcome:
                                   f"them, change `defaults.{field_name}`, or relax the constraint.")
         chosen[field_name] = winner[0]
         fields[field_name] = {"value": winner[0], "decided_by": winner[1], "losers": losers}
-        facts.update(_decision_fact(field_name, winner[0]))
+        facts.update(_decision_fact(field_name, winner[0], facts))
 
     # Advice rules (no fields) see the whole decision; they are evaluated last.
     advice: list[str] = []

@@ -88,6 +88,11 @@ def _check_dtype(dtype: str, where: str) -> None:
                          "compare `fp8` instead.")
     if dtype == "float16":
         raise InputError(f"{where}: float16 caches are not run by kvpolicy's kernels; compare `bf16`.")
+    if fmt.family == "nvfp4":
+        raise InputError(f"{where}: `{dtype}` cannot run in kvpolicy's runtime: NVFP4 needs Blackwell's FP4 tensor "
+                         "cores (vLLM serves it with FlashInfer's trtllm-gen kernels on SM100), and the runtime's "
+                         "kernels target Hopper. Its capacity and accuracy come from evidence "
+                         "(`kvpolicy rule KV111`), not from a measurement here.")
 
 
 def parse_variant(text: str, default_two_level: bool = True) -> Variant:

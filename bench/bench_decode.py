@@ -42,10 +42,10 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvpolicy.formats import get_format
-from kvpolicy.kernels.decode_attention import decode_attention, default_config
-from kvpolicy.kernels.formats import TQ_FORMATS
+from kvpolicy.kernels.decode_attention import DecodeConfig, decode_attention, decode_attention_pth, default_config
+from kvpolicy.kernels.formats import PTH_FORMATS, TQ_FORMATS
 from kvpolicy.kernels.launch import gluon_runs_on
-from kvpolicy.kernels.paged_store import allocate_cache, compute_kv_scales, store_kv
+from kvpolicy.kernels.paged_store import allocate_cache, allocate_pth_cache, compute_kv_scales, store_kv, store_kv_pth
 from kvpolicy.kernels.reference import ref_decode_attention
 from kvpolicy.kernels.tq_decode import decode_attention_tq
 from kvpolicy.kernels.tq_store import store_kv_tq
@@ -135,6 +135,27 @@ def _tq_gl_row(fmt: str) -> dict[str, Any]:
     return row
 
 
+def _pth_row(fmt: str, layout: str = "NHD", block_n: int | None = None, **decode_kwargs: Any) -> dict[str, Any]:
+    """The per-token-head kernels (vLLM's rows of codes and inline scales, `layout` pages); `block_n` overrides
+    the tile's tokens (the default tiling's stages and sums)."""
+
+    def allocate(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+        return allocate_pth_cache(num_blocks, block_size, num_kv_heads, head_dim, fmt, device, layout)
+
+    def store(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_kv_pth(key, value, cache, slot_mapping, fmt)
+
+    def decode(cache: torch.Tensor, query, block_tables, seq_lens, sinks, **kwargs) -> torch.Tensor:
+        opts = {k: v for k, v in {**decode_kwargs, **kwargs}.items()
+                if k in ("out", "num_splits", "sm_scale", "sliding_window", "two_level", "fp8_query")}
+        if block_n is not None:
+            base = default_config(query.shape[-1], True, query.device)
+            opts["config"] = DecodeConfig(block_n=block_n, num_stages=base.num_stages, defer_sum=base.defer_sum)
+        return decode_attention_pth(query, cache, block_tables, seq_lens, fmt, sinks=sinks, **opts)
+
+    return {"kv_cache_dtype": fmt, "allocate": allocate, "store": store, "decode": decode}
+
+
 FORMATS: dict[str, dict[str, Any]] = {
     "bf16": _paged_row("bf16", "bfloat16", per_head_scales=False),
     "fp8": _paged_row("fp8", "fp8", per_head_scales=True),
@@ -147,6 +168,12 @@ FORMATS: dict[str, dict[str, Any]] = {
     "fp8_gl_hnd": _paged_row("fp8_gl_hnd", "fp8", per_head_scales=True, layout="HND", fp8_query=True, kernel="gluon"),
     **{fmt: _tq_row(fmt) for fmt in TQ_FORMATS},
     **{f"{fmt}_gl": _tq_gl_row(fmt) for fmt in TQ_FORMATS},
+    # vLLM's per-token-head formats (TRITON_ATTN): NHD as vLLM's default, HND, and tile sizes beside the default
+    **{fmt: _pth_row(fmt) for fmt in PTH_FORMATS},
+    **{f"{fmt}_hnd": _pth_row(fmt, "HND") for fmt in PTH_FORMATS},
+    "fp8_per_token_head_q8": _pth_row("fp8_per_token_head", fp8_query=True),
+    "int8_per_token_head_n32": _pth_row("int8_per_token_head", block_n=32),
+    "int4_per_token_head_n128": _pth_row("int4_per_token_head", block_n=128),
 }
 GLUON_ROWS = {n for n in FORMATS if n.endswith("_gl") or n.startswith("fp8_gl")}
 """Rows of the Gluon kernels (sm_90 only)."""

@@ -7,13 +7,15 @@
 #             call, GPU tests first (-x, AB_TESTS), then the table of every row's slope old vs new
 #             (AB_ROWS, AB_CONTEXTS: the rows and contexts; slopes over AB_CONTEXTS)
 #   runtime   kvpolicy bench --record and verify for both layers, then tests/test_runtime_gpu.py (needs .whl)
+#   pth       the per-token-head kernels: their GPU tests, then batch 8 at 32k and 128k on both layers against
+#             cuDNN BF16 and our FP8 kernels, NHD and HND pages and one other tile size each
 #   evidence  the evidence run (every row, batch 8, --evidence) and the Gluon rows at batch 1 (KVP_COMMIT: the
 #             commit measured)
 # Logs and JSON go to OUTDIR (the device returns at most 8 files). Pure-Python wheels that the device image lacks
 # (pydantic, ruamel.yaml; `pip download` them into the git-ignored .whl/ and carry it) are installed when present.
 set -uo pipefail
-out=${1:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|evidence}
-mode=${2:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|evidence}
+out=${1:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|pth|evidence}
+mode=${2:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|pth|evidence}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -68,6 +70,14 @@ runtime)
       python3 -c "import json,sys; r=json.load(sys.stdin); e=r['estimates']; print('$c', r['decision']['kv_cache_dtype'], e['itl_slope_ratio'], e['break_even_tokens'])"; done
   pytest_gpu pytest_runtime.log -rs tests/test_runtime_gpu.py
   ;;
+pth)
+  pytest_gpu pytest.log tests/kernels/test_per_token_head.py
+  pth=fp8_per_token_head,int8_per_token_head,int4_per_token_head
+  timeout 330 python3 bench/bench_decode.py --formats fp8_gl,fp8,$pth,${pth//_head/_head_hnd},fp8_per_token_head_q8,\
+int8_per_token_head_n32,int4_per_token_head_n128,sdpa_cudnn --contexts 32768,131072 --batch 8 --skip-accuracy \
+      --out "$out/bench_pth.json" > "$out/bench_pth.log" 2>&1
+  sed -n '/^## /,$p' "$out/bench_pth.log"
+  ;;
 evidence)
   export KVP_COMMIT=${KVP_COMMIT:-unknown}
   timeout 360 python3 bench/bench_decode.py \
@@ -79,6 +89,6 @@ evidence)
   grep -h -A14 "slope ns/token" "$out/evidence_b8.log" "$out/evidence_b1.log"
   ;;
 *)
-  echo "unknown mode $mode: tests, bench, ab, runtime or evidence"; exit 2
+  echo "unknown mode $mode: tests, bench, ab, runtime, pth or evidence"; exit 2
   ;;
 esac

@@ -171,6 +171,25 @@ def _store(fmt: str, d: int, planar: bool = False) -> None:
                 slots, fmt)
 
 
+def _pth(fmt: str, d: int, shape: str, layout: str = "NHD") -> None:
+    from kvpolicy.kernels.decode_attention import decode_attention_pth
+    from kvpolicy.kernels.paged_store import allocate_pth_cache
+
+    q, bt, sl, window, sinks = _inputs(shape, d)
+    decode_attention_pth(q, allocate_pth_cache(64, 16, 8, d, fmt, "cuda", layout), bt, sl, fmt, sliding_window=window,
+                         sinks=sinks)
+
+
+def _store_pth(fmt: str, d: int) -> None:
+    from kvpolicy.kernels.paged_store import allocate_pth_cache, store_kv_pth
+
+    key = torch.randn(40, 8, d, device="cuda").to(torch.bfloat16)
+    store_kv_pth(key, key, allocate_pth_cache(64, 16, 8, d, fmt, "cuda"), torch.arange(40, device="cuda"), fmt)
+
+
+PTH = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head")
+
+
 def cases() -> list[tuple[str, functools.partial]]:
     """(name, call) of every default path compared."""
     P, out = functools.partial, []
@@ -190,6 +209,10 @@ def cases() -> list[tuple[str, functools.partial]]:
             out += [(f"{short}_gl_d{d}_{s}", P(_tq, fmt, d, s, "gluon")) for s in SHAPES]
             out += [(f"store_{short}_d{d}", P(_store, fmt, d)), (f"store_{short}_planar_d{d}", P(_store, fmt, d, True))]
         out += [(f"store_bf16_d{d}", P(_store, "bf16", d)), (f"store_fp8_d{d}", P(_store, "fp8", d))]
+        for fmt in PTH:
+            short = fmt.removesuffix("_per_token_head") + "_pth"
+            out += [(f"{short}_d{d}_{s}", P(_pth, fmt, d, s)) for s in ("b8_32k", "b1_128k", "b8_win")]
+            out += [(f"{short}_hnd_d{d}_b8_32k", P(_pth, fmt, d, "b8_32k", "HND")), (f"store_{short}_d{d}", P(_store_pth, fmt, d))]
     return out
 
 

@@ -223,3 +223,26 @@ def test_layers_take_the_gluon_kernels_only_where_they_apply(monkeypatch: pytest
     assert gluon_available(torch.device("cuda", 0))
     monkeypatch.setenv("KVPOLICY_GLUON", "0")
     assert not gluon_available(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_4over6"])
+def test_nvfp4_says_it_cannot_run_on_hopper(name: str) -> None:
+    with pytest.raises(InputError, match="cannot run on Hopper.*evidence"):
+        parse_variant(name)
+
+
+def test_per_token_head_variants_take_their_own_rows() -> None:
+    torch = pytest.importorskip("torch")
+    from kvpolicy.formats import FORMATS
+    from kvpolicy.runtime.caches import allocate, plan_layers
+
+    arch = ModelArch(id="mini", num_layers=2, layer_types=["sliding", "full"], num_attention_heads=4,
+                     num_kv_heads=2, head_dim=64, sliding_window=48)
+    for name in ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"):
+        v = parse_variant(name)
+        assert v.kind == name
+        plans = plan_layers(arch, v)
+        caches = allocate(plans, 1, 64, torch.device("cpu"))
+        row = FORMATS[name].slot_bytes(64)
+        assert all(c.key_cache.shape[2:] == (2, row) and c.value_cache is None for c in caches)
+        assert plans[1].kernel_path("triton") == "triton"

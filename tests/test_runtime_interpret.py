@@ -27,7 +27,8 @@ from kvpolicy.runtime.variants import parse_variant
 CPU = torch.device("cpu")
 # Interpreter output vs the float64 reference on the same cache bytes. The interpreter computes fp8 dots
 # exactly (fp16 upcast), so FP8 error is the e4m3 rounding of P (a few percent); BF16 stays near 1e-2.
-TOLERANCE = {"bf16": 2e-2, "fp8+per_head": 6e-2, "turboquant_4bit_nc": 4e-2}
+TOLERANCE = {"bf16": 2e-2, "fp8+per_head": 6e-2, "turboquant_4bit_nc": 4e-2, "fp8_per_token_head": 2e-2,
+             "int8_per_token_head": 2e-2, "int4_per_token_head": 2e-2}
 
 
 @pytest.mark.parametrize("variant", list(TOLERANCE))

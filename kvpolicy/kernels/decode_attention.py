@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpolicy.kernels.formats import FP8_E4M3_MAX
+from kvpolicy.kernels.formats import FP8_E4M3_MAX, PTH_MODE, pth_layout
 from kvpolicy.kernels.launch import (
     LOG2E,
     interpreting,
@@ -28,12 +28,16 @@ from kvpolicy.kernels.launch import (
     split_count,
     split_partials,
 )
-from kvpolicy.kernels.paged_store import check_scale, fp8_e4m3_bits
+from kvpolicy.kernels.paged_store import _round_away, check_pth_cache, check_scale, fp8_e4m3_bits, pth_scales, rht_matrix
+from kvpolicy.kernels.turboquant import i8_program, nibbles_program, render_ptx, v4_program
 
 P_SCALE = tl.constexpr(256.0)
 """Softmax probabilities (<= 1) are multiplied by this before the e4m3 cast, so
 small ones land in e4m3's normal range (>= 2**-6) rather than its coarse subnormals."""
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+_I8_ASM = tl.constexpr(render_ptx(i8_program()))
+_NIBBLES_ASM = tl.constexpr(render_ptx(nibbles_program()))
+_V4_ASM = tl.constexpr(render_ptx(v4_program()))
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,110 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
 
 
 @triton.jit
+def _int8_query(q, q_rows, h_mask, PTH: tl.constexpr, DATA_BYTES: tl.constexpr, INTERPRET: tl.constexpr):
+    """The query as int8 for the int8 MMA of the int8/int4 per-token-head caches, one dynamic scale per program:
+    (codes, int4: the odd coordinates' codes (the high nibbles'), int4: the codes' row sums, the scale). int4
+    pairs coordinate 2i with low nibbles and 2i+1 with high ones."""
+    q_scale = tl.maximum(tl.max(tl.max(tl.abs(q), 1), 0) / 127.0, 1e-30)
+    if PTH == 3:
+        offs_c = tl.arange(0, DATA_BYTES)
+        lo = tl.load(q_rows[:, None] + 2 * offs_c[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(q_rows[:, None] + 2 * offs_c[None, :] + 1, mask=h_mask[:, None], other=0.0).to(tl.float32)
+    else:
+        lo = q
+        hi = q
+    q_lo = _round_away(tl.math.div_rn(lo, q_scale)).to(tl.int32)
+    q_hi = _round_away(tl.math.div_rn(hi, q_scale)).to(tl.int32)
+    q_sum = tl.sum(q_lo, 1) + tl.sum(q_hi, 1)
+    if INTERPRET:
+        # integer-valued fp32: the interpreter's products and sums of these stay exact
+        return q_lo.to(tl.float32), q_hi.to(tl.float32), q_sum, q_scale
+    return q_lo.to(tl.int8), q_hi.to(tl.int8), q_sum, q_scale
+
+
+@triton.jit
+def _attend_tile_pth(k, v, ks, vs, valid, q_op, q_hi_op, q_sum, qk_scale, m_i, l_i, acc, acc_hi, z_sum,
+                     PTH: tl.constexpr, FP8_QUERY: tl.constexpr, TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr,
+                     DEFER_SUM: tl.constexpr):
+    """`_attend_tile` for a per-token-head cache: codes `k`, `v` [BLOCK_N, data bytes] and each token's fp32 scales
+    `ks`, `vs`. The key scale multiplies the token's score column, the value scale its softmax weight (P x vs, times
+    P_SCALE, is the fp16 operand of P.V); int4 subtracts the zero points as row sums (zp x sum(q) from the scores,
+    sum(P x vs x zp) from the output, accumulated in `z_sum`), its high nibbles' P.V in `acc_hi` (x 16)."""
+    if PTH == 3:
+        kb = ks.to(tl.int32, bitcast=True)
+        ks = (kb & -16).to(tl.float32, bitcast=True)
+        vb = vs.to(tl.int32, bitcast=True)
+        vs = (vb & -16).to(tl.float32, bitcast=True)
+        if INTERPRET:
+            s = tl.dot(q_op, tl.trans((k & 15).to(tl.float32))) + tl.dot(q_hi_op, tl.trans((k >> 4).to(tl.float32)))
+            s = s - q_sum.to(tl.float32)[:, None] * (kb & 15).to(tl.float32)[None, :]
+        else:
+            k_lo, k_hi = tl.inline_asm_elementwise(_NIBBLES_ASM, "=r,=r,r", [k], dtype=(tl.int8, tl.int8),
+                                                   is_pure=True, pack=4)
+            s_i = tl.dot(q_op, tl.trans(k_lo), out_dtype=tl.int32)
+            s_i = tl.dot(q_hi_op, tl.trans(k_hi), s_i, out_dtype=tl.int32)
+            s = (s_i - q_sum[:, None] * (kb & 15)[None, :]).to(tl.float32)
+    elif PTH == 2:
+        if INTERPRET:
+            s = tl.dot(q_op, tl.trans(k.to(tl.int8, bitcast=True).to(tl.float32)))
+        else:
+            s = tl.dot(q_op, tl.trans(k.to(tl.int8, bitcast=True)), out_dtype=tl.int32).to(tl.float32)
+    else:
+        if INTERPRET:
+            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            if not FP8_QUERY:
+                k = k.to(tl.float16)
+        s = tl.dot(q_op, tl.trans(k))
+    s = tl.where(valid[None, :], s * (ks * qk_scale)[None, :], float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    acc = acc * alpha[:, None]
+    if DEFER_SUM:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+    p_op = (p * (vs * P_SCALE)[None, :]).to(tl.float16)
+    if INTERPRET:
+        p_op = p_op.to(tl.float32)
+    if PTH == 3:
+        if INTERPRET:
+            v_lo = (v & 15).to(tl.float32)
+            v_hi = (v & 0xF0).to(tl.float32)
+        else:
+            v_lo, v_hi = tl.inline_asm_elementwise(_V4_ASM, "=r,=r,=r,=r,r", [v], dtype=(tl.float16, tl.float16),
+                                                   is_pure=True, pack=4)
+        acc_hi = acc_hi * alpha[:, None]
+        # the rounded weights the MMA multiplies, so that the zero point cancels exactly
+        z_sum = z_sum * alpha + tl.sum(p_op.to(tl.float32) * (vb & 15).to(tl.float32)[None, :], 1)
+        if TWO_LEVEL:
+            acc += tl.dot(p_op, v_lo)
+            acc_hi += tl.dot(p_op, v_hi)
+        else:
+            acc = tl.dot(p_op, v_lo, acc)
+            acc_hi = tl.dot(p_op, v_hi, acc_hi)
+    else:
+        if PTH == 2:
+            if INTERPRET:
+                v = v.to(tl.int8, bitcast=True).to(tl.float32)
+            else:
+                v = tl.inline_asm_elementwise(_I8_ASM, "=r,=r,r", [v], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            if INTERPRET:
+                v = v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                v = _e4m3_to_f16(v)
+        if TWO_LEVEL:
+            acc += tl.dot(p_op, v)
+        else:
+            acc = tl.dot(p_op, v, acc)
+    return m_new, l_i, acc, acc_hi, z_sum
+
+
+@triton.jit
 def _decode_attention_kernel(
     # tensors
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -213,6 +321,13 @@ def _decode_attention_kernel(
     TWO_LEVEL: tl.constexpr,
     DEFER_SUM: tl.constexpr,
     INTERPRET: tl.constexpr,
+    # per-token-head caches (0: BF16/FP8; 1 fp8, 2 int8, 3 int4): one uint8 row per (token, KV head), K codes at
+    # 0, V codes at V_OFF; k_scale_ptr is the cache as fp32, the scales at KS_OFF4 / VS_OFF4 of a row
+    PTH: tl.constexpr = 0,
+    DATA_BYTES: tl.constexpr = 0,
+    V_OFF: tl.constexpr = 0,
+    KS_OFF4: tl.constexpr = 0,
+    VS_OFF4: tl.constexpr = 0,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -238,7 +353,13 @@ def _decode_attention_kernel(
     qk_scale = sm_scale * LOG2E
     if HAS_K_SCALE:
         qk_scale *= tl.load(k_scale_ptr + kv_head * K_SCALE_STRIDE)
-    if FP8_QUERY:
+    q_hi_op = q
+    q_sum = 0
+    if PTH >= 2:
+        q_op, q_hi_op, q_sum, q_scale = _int8_query(q, q_ptr + seq * stride_qb + q_head * stride_qh, h_mask, PTH,
+                                                    DATA_BYTES, INTERPRET)
+        qk_scale *= q_scale
+    elif FP8_QUERY:
         # One dynamic scale per program (its GQA group), computed here so the
         # query needs no separate quantisation pass.
         q_scale = tl.maximum(tl.max(tl.max(tl.abs(q), 1), 0) / _FP8_MAX, 1e-30)
@@ -251,8 +372,9 @@ def _decode_attention_kernel(
     else:
         q_op = q.to(tl.bfloat16)
     if INTERPRET:
-        # The interpreter's bf16 tl.dot is wrong; fp8/bf16 values are exact in fp32.
-        q_op = q_op.to(tl.float32)
+        if PTH < 2:
+            # The interpreter's bf16 tl.dot is wrong; fp8/bf16 values are exact in fp32.
+            q_op = q_op.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     if DEFER_SUM:
@@ -269,18 +391,45 @@ def _decode_attention_kernel(
     # the page look-up's round trip leaves the loop's critical path.
     offs_n = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
     pages = _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE)
-    for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        k, v, valid = _load_tile(k_base, v_base, pages, offs_n, seq_len, start, offs_d,
-                                 stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
-        pages = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
-        m_i, l_i, acc = _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
-                                     KV_FP8, FP8_QUERY, TWO_LEVEL, INTERPRET, DEFER_SUM)
+    if PTH != 0:
+        offs_c = tl.arange(0, DATA_BYTES)
+        s_base = k_scale_ptr + kv_head * (stride_kh // 4)
+        acc = tl.zeros([BLOCK_H, DATA_BYTES], tl.float32)  # int4: the low nibbles' half
+        acc_hi = tl.zeros([BLOCK_H, DATA_BYTES], tl.float32)
+        z_sum = tl.zeros([BLOCK_H], tl.float32)
+        for tile in range(tile_lo, tile_hi):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = (offs_n < seq_len) & (offs_n >= start)
+            in_page = offs_n.to(tl.uint32) % PAGE_SIZE
+            row = pages * stride_kb + in_page * stride_kt
+            row4 = pages * (stride_kb // 4) + in_page * (stride_kt // 4)
+            k = tl.load(k_base + row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
+            v = tl.load(k_base + V_OFF + row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
+            ks = tl.load(s_base + KS_OFF4 + row4, mask=valid, other=0.0)
+            vs = tl.load(s_base + VS_OFF4 + row4, mask=valid, other=0.0)
+            pages = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
+            m_i, l_i, acc, acc_hi, z_sum = _attend_tile_pth(k, v, ks, vs, valid, q_op, q_hi_op, q_sum, qk_scale, m_i,
+                                                            l_i, acc, acc_hi, z_sum, PTH, FP8_QUERY, TWO_LEVEL,
+                                                            INTERPRET, DEFER_SUM)
+        if PTH == 3:
+            # coordinate 2i from the low nibbles, 2i + 1 from the high ones (x 16)
+            acc = tl.reshape(tl.join(acc - z_sum[:, None], acc_hi * (1.0 / 16.0) - z_sum[:, None]),
+                             [BLOCK_H, HEAD_DIM])
+    else:
+        for tile in range(tile_lo, tile_hi):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            k, v, valid = _load_tile(k_base, v_base, pages, offs_n, seq_len, start, offs_d,
+                                     stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
+            pages = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
+            m_i, l_i, acc = _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
+                                         KV_FP8, FP8_QUERY, TWO_LEVEL, INTERPRET, DEFER_SUM)
 
     if DEFER_SUM:
         l_i = tl.sum(l_i, 1)
     out_scale = 1.0
-    if KV_FP8:
+    if PTH != 0:
+        out_scale = 1.0 / P_SCALE  # P x vs carried P_SCALE; the denominator did not
+    elif KV_FP8:
         out_scale = 1.0 / P_SCALE
         l_i = l_i * (1.0 / P_SCALE)
     if HAS_V_SCALE:
@@ -477,4 +626,142 @@ def decode_attention(
     )
     if is_split:
         merge_splits(part_out, part_lse, sinks, out, splits)
+    return out
+
+
+def pth_config(head_dim: int, fmt: str, device: torch.device) -> DecodeConfig:
+    """The tiling for a per-token-head cache: the FP8 kernel's (the same MMA chain per tile). int4 keeps the same
+    token count (half the bytes): twice the tokens took 184-255 registers per thread against 128-138 in an sm_90
+    compile, one program per SM fewer."""
+    return default_config(head_dim, True, device)
+
+
+# Registers per thread and shared memory per program of `pth_config` (sm_90 compile, bench/sass_check.py)
+_PTH_PROGRAM_SIZE = {("fp8_per_token_head", 128): (144, 56320), ("fp8_per_token_head", 64): (144, 57344),
+                     ("int8_per_token_head", 128): (194, 37888), ("int8_per_token_head", 64): (228, 39936),
+                     ("int4_per_token_head", 128): (138, 21760), ("int4_per_token_head", 64): (128, 23808)}
+
+
+def pth_programs_per_sm(head_dim: int, fmt: str, device: torch.device) -> int:
+    """Programs of `pth_config` resident per SM (1 off the GPU)."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    regs, smem = _PTH_PROGRAM_SIZE[(fmt, 64 if head_dim <= 64 else 128)]
+    return resident_programs(regs, smem, NUM_WARPS, device)
+
+
+def decode_attention_pth(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    fmt: str,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    two_level: bool = True,
+    fp8_query: bool = False,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """`decode_attention` over a per-token-head cache of `fmt` (`paged_store.allocate_pth_cache`: vLLM's rows of
+    codes and inline fp32 scales, NHD or HND), the same kernel and launcher with the format as a constexpr path.
+
+    K/V dequantise as codes x their token's scale (int4: (code - zero point) x scale, in the rotated space; the
+    query is rotated before the kernel and the output back after it, as vLLM's int4 path does). The 8-bit
+    formats' scores and P.V run as the FP8 kernel's (fp8: e4m3 K as fp16, or an e4m3 query with `fp8_query`);
+    int8 and int4 keys meet an int8 query (one dynamic scale per program) in an int8 MMA, and their values become
+    exact fp16 in registers. Other arguments as `decode_attention`."""
+    if fmt not in PTH_MODE:
+        raise ValueError(f"{fmt!r} is not a per-token-head format; expected one of {', '.join(PTH_MODE)}")
+    if query.dim() != 3 or query.stride(-1) != 1:
+        raise ValueError(f"query: expected [batch, num_q_heads, head_dim] with a contiguous last dim, got {tuple(query.shape)}")
+    if query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"query: dtype {query.dtype}; expected bfloat16, float16 or float32")
+    batch, num_q_heads, head_dim = query.shape
+    if cache.dim() != 4:
+        raise ValueError(f"{fmt} cache: expected [num_blocks, block_size, num_kv_heads, row bytes], got {tuple(cache.shape)}")
+    num_kv_heads = cache.shape[2]
+    check_pth_cache(cache, fmt, num_kv_heads, head_dim)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables: expected int32 [{batch}, max_blocks], last dim contiguous, got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens: expected int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    device = query.device
+    for name, t in (("cache", cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, query is on {device}")
+    if fp8_query and fmt != "fp8_per_token_head":
+        raise ValueError("fp8_query applies to fp8_per_token_head only")
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,) or sinks.device != device):
+        raise ValueError(f"sinks: expected float32 [{num_q_heads}] on {device}, got {sinks.dtype} {tuple(sinks.shape)}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive number of positions, got {sliding_window}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype not in (query.dtype, torch.float32) or out.stride(-1) != 1 or out.device != device:
+        raise ValueError(f"out: expected {tuple(query.shape)} of {query.dtype} or float32 on {device}, got {out.dtype} {tuple(out.shape)}")
+    if batch == 0:
+        return out
+    scale = float(head_dim**-0.5 if sm_scale is None else sm_scale)
+    int4 = fmt == "int4_per_token_head"
+    dst = out
+    if int4:
+        # H diag(s) is sqrt(D) times orthogonal: scores come out D times larger, the output D times rotated
+        rot = rht_matrix(head_dim, device)
+        query = (query.float() @ rot).contiguous()
+        scale /= head_dim
+        dst = torch.empty(out.shape, dtype=torch.float32, device=device)
+    lay = pth_layout(fmt, head_dim)
+    cfg = config or pth_config(head_dim, fmt, device)
+    splits = num_splits or split_count(batch, num_kv_heads, span(block_tables, cache.shape[1], sliding_window, cfg.block_n),
+                                       cfg.block_n, pth_programs_per_sm(head_dim, fmt, device), device)
+    group = num_q_heads // num_kv_heads
+    is_split = splits > 1
+    part_out, part_lse = split_partials(dst, splits)
+    _decode_attention_kernel[(num_kv_heads, splits, batch)](
+        query, cache, cache, block_tables, seq_lens,
+        pth_scales(cache), seq_lens, sinks if sinks is not None else seq_lens, dst, part_out, part_lse,
+        scale, int(sliding_window or 0), splits,
+        query.stride(0), query.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2),
+        cache.stride(0), cache.stride(1), cache.stride(2),
+        block_tables.stride(0),
+        dst.stride(0), dst.stride(1),
+        num_q_heads * splits, splits, 1,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg.block_n,
+        PAGE_SIZE=cache.shape[1],
+        KV_FP8=fmt == "fp8_per_token_head",
+        FP8_QUERY=fp8_query,
+        HAS_K_SCALE=False,
+        HAS_V_SCALE=False,
+        K_SCALE_STRIDE=0,
+        V_SCALE_STRIDE=0,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None and not is_split,
+        IS_SPLIT=is_split,
+        TWO_LEVEL=two_level,
+        DEFER_SUM=cfg.defer_sum,
+        INTERPRET=interpreting(),
+        PTH=PTH_MODE[fmt],
+        DATA_BYTES=lay.data_bytes,
+        V_OFF=lay.v_off,
+        KS_OFF4=lay.k_scale_off // 4,
+        VS_OFF4=lay.v_scale_off // 4,
+        num_warps=NUM_WARPS,
+        num_stages=cfg.num_stages,
+    )
+    if is_split:
+        merge_splits(part_out, part_lse, sinks, dst, splits)
+    if int4:
+        out.copy_(dst @ (rot.T / head_dim))
     return out

@@ -142,3 +142,63 @@ def planar_constexprs(fmt: str, head_dim: int) -> dict[str, int]:
     return dict(SLOT=lay.slot_bytes, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits, KBM=planes[0][1],
                 KB=lay.key_bytes, VBM=planes[-2 if lay.value_bits == 3 else -1][1], VB=lay.val_bytes,
                 NF=len(field_planes(fmt, head_dim)))
+
+
+PTH_FORMATS: tuple[str, ...] = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head")
+"""The per-token-head `--kv-cache-dtype` values: scales computed per (token, KV head) at write time."""
+
+PTH_MODE = {"fp8_per_token_head": 1, "int8_per_token_head": 2, "int4_per_token_head": 3}
+"""The decode kernel's `PTH` constexpr of each format (0: a BF16/FP8 cache)."""
+
+PTH_QMAX = {"fp8_per_token_head": FP8_E4M3_MAX, "int8_per_token_head": 127.0, "int4_per_token_head": 15.0}
+"""The code range the scale maps a (token, head)'s range onto: amax / qmax (8-bit, symmetric), (max - min) / 15
+(4-bit, asymmetric with a zero point), as vLLM's store kernels compute it."""
+
+PTH_SCALE_FLOOR = 1e-6
+"""vLLM's floor on every per-token-head scale (an all-zero head stores scale 1e-6)."""
+
+PTH_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+"""Head dims the per-token-head kernels take: powers of two (the int4 rotation is a Hadamard of the whole head)
+with at least 32 packed int4 bytes (the int8 MMA's K)."""
+
+
+@dataclass(frozen=True)
+class PTHLayout:
+    """One (token, KV head) row of a per-token-head cache, vLLM's `[K | K scale | V | V scale]`
+    (`TritonAttentionImpl._ensure_scale_caches`, v1/attention/backends/triton_attn.py): data bytes, then one fp32."""
+
+    name: str
+    """The `--kv-cache-dtype` value."""
+    head_dim: int
+    """D."""
+    data_bytes: int
+    """Bytes of K (and of V) codes: D, or D/2 for int4 (two codes a byte, coordinate 2i in the low nibble)."""
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per token and KV head, scales included (`TritonAttentionBackend.customize_spec`)."""
+        return 2 * (self.data_bytes + 4)
+
+    @property
+    def k_scale_off(self) -> int:
+        """Byte offset of the fp32 key scale."""
+        return self.data_bytes
+
+    @property
+    def v_off(self) -> int:
+        """Byte offset of the value codes."""
+        return self.data_bytes + 4
+
+    @property
+    def v_scale_off(self) -> int:
+        """Byte offset of the fp32 value scale."""
+        return 2 * self.data_bytes + 4
+
+
+def pth_layout(fmt: str, head_dim: int) -> PTHLayout:
+    """Row layout of a per-token-head format; ValueError for unknown formats or head dims."""
+    if fmt not in PTH_MODE:
+        raise ValueError(f"unknown per-token-head format {fmt!r}; expected one of {', '.join(PTH_FORMATS)}")
+    if head_dim not in PTH_HEAD_DIMS:
+        raise ValueError(f"{fmt}: head_dim {head_dim} is not supported; expected one of {PTH_HEAD_DIMS}")
+    return PTHLayout(fmt, head_dim, head_dim // 2 if fmt == "int4_per_token_head" else head_dim)

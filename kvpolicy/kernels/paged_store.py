@@ -15,11 +15,13 @@ round-to-nearest-even with saturation on both, bit-exact with torch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kvpolicy.kernels.formats import FP8_E4M3_MAX, PAGED_DTYPES
+from kvpolicy.kernels.formats import FP8_E4M3_MAX, PAGED_DTYPES, PTH_MODE, PTH_SCALE_FLOOR, pth_layout
 
 _CACHE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, dtype) for name, dtype in PAGED_DTYPES.items()}
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
@@ -248,3 +250,164 @@ def allocate_cache(
         return k, v
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------- per-token-head caches
+#
+# vLLM 0.33's fp8/int8/int4_per_token_head (TRITON_ATTN): one uint8 tensor, each (token, KV head) row
+# `[K codes | K scale fp32 | V codes | V scale fp32]` (`formats.PTHLayout`), scales computed as the token is
+# written (triton_reshape_and_cache_flash.py `_reshape_cache_per_token_head`; int4: int4_per_token_head.py
+# `_reshape_cache_int4_kernel`, after a randomized Hadamard rotation of K and V, its zero point in the low 4
+# mantissa bits of the scale). Quotients are correctly rounded divisions (vLLM multiplies by a reciprocal):
+# the stored codes are then a function of the input alone, bit-exact with `reference.quantize_pth`.
+
+
+@functools.cache
+def _rht_cpu(head_dim: int) -> torch.Tensor:
+    # vLLM's `_get_rht_signs(d, 0)`: a CPU generator seeded 0x9E3779B9, Bernoulli(0.5) signs
+    gen = torch.Generator(device="cpu").manual_seed(0x9E3779B9)
+    signs = 2.0 * torch.bernoulli(torch.full((head_dim,), 0.5), generator=gen) - 1.0
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return signs.to(torch.float64)[:, None] * h
+
+
+def rht_matrix(head_dim: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """R [D, D] of int4_per_token_head's rotation, for row vectors: `x @ R` is vLLM's `single_rht(x)` (H diag(s) x,
+    H the unnormalised Sylvester Hadamard), `y @ R.T / D` its inverse."""
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"the rotation takes a power-of-two head_dim, got {head_dim}")
+    return _rht_cpu(head_dim).to(device=device, dtype=dtype)
+
+
+def rotate_kv(x: torch.Tensor) -> torch.Tensor:
+    """int4_per_token_head's write-side rotation of K or V [.., D], rounded back to x's dtype as vLLM does."""
+    return (x.float() @ rht_matrix(x.shape[-1], x.device)).to(x.dtype)
+
+
+def allocate_pth_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: str,
+                       device: torch.device | str, layout: str = "NHD") -> torch.Tensor:
+    """An uninitialised per-token-head cache, uint8 [num_blocks, block_size, num_kv_heads, row bytes]; `layout`
+    "HND" stores each page head-major (a permuted view, as `allocate_cache`)."""
+    if layout not in CACHE_LAYOUTS:
+        raise ValueError(f"cache layout {layout!r} is not one of {CACHE_LAYOUTS}")
+    row = pth_layout(fmt, head_dim).row_bytes
+    if layout == "HND":
+        return torch.empty(num_blocks, num_kv_heads, block_size, row, dtype=torch.uint8, device=device).permute(0, 2, 1, 3)
+    return torch.empty(num_blocks, block_size, num_kv_heads, row, dtype=torch.uint8, device=device)
+
+
+def pth_scales(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's bytes as float32 [num_blocks, block_size, num_kv_heads, row / 4]: where the kernels read the
+    inline scales (element `k_scale_off / 4` and `v_scale_off / 4` of a row)."""
+    return cache.view(torch.float32)
+
+
+def check_pth_cache(cache: torch.Tensor, fmt: str, num_kv_heads: int, head_dim: int) -> None:
+    """ValueError unless `cache` is a per-token-head cache of `fmt` for these heads (either layout)."""
+    row = pth_layout(fmt, head_dim).row_bytes
+    if cache.dtype != torch.uint8 or cache.dim() != 4 or cache.shape[2:] != (num_kv_heads, row) or cache.stride(-1) != 1:
+        raise ValueError(f"{fmt} cache: expected uint8 [num_blocks, block_size, {num_kv_heads}, {row}] with a "
+                         f"contiguous last dim (allocate_pth_cache), got {cache.dtype} {tuple(cache.shape)}")
+    if any(st % 4 for st in cache.stride()[:3]) or cache.storage_offset() % 4:
+        raise ValueError(f"{fmt} cache: its rows must start on 4-byte boundaries (the inline fp32 scales)")
+
+
+PTH_FLOOR = tl.constexpr(PTH_SCALE_FLOOR)
+
+
+@triton.jit
+def _round_away(x):
+    """Round half away from zero, as an integer-valued fp32 (vLLM's `where(x >= 0, x + 0.5, x - 0.5)` truncated)."""
+    x = tl.minimum(tl.maximum(x, -1073741824.0), 1073741824.0)  # in int32's range; every caller clamps after
+    return tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int32).to(tl.float32)
+
+
+@triton.jit
+def _pth_side(src, dst, scale_dst, mask, offs_c, MODE: tl.constexpr, QMAX: tl.constexpr):
+    """Quantize one side (K or V) of a token's heads: rows `src` [BLOCK_H] of D values -> codes at `dst`, the fp32
+    scale (int4: its zero point in the low 4 bits) at `scale_dst`."""
+    if MODE == 3:
+        lo = tl.load(src[:, None] + 2 * offs_c[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(src[:, None] + 2 * offs_c[None, :] + 1, mask=mask[:, None], other=0.0).to(tl.float32)
+        mn = tl.minimum(tl.min(lo, 1), tl.min(hi, 1))
+        mx = tl.maximum(tl.max(lo, 1), tl.max(hi, 1))
+        scale = tl.maximum(tl.math.div_rn(mx - mn, tl.full(mx.shape, QMAX, tl.float32)), PTH_FLOOR)
+        zp = tl.minimum(tl.maximum(_round_away(tl.math.div_rn(-mn, scale)), 0.0), 15.0)
+        q_lo = tl.minimum(tl.maximum(_round_away(tl.math.div_rn(lo, scale[:, None]) + zp[:, None]), 0.0), 15.0)
+        q_hi = tl.minimum(tl.maximum(_round_away(tl.math.div_rn(hi, scale[:, None]) + zp[:, None]), 0.0), 15.0)
+        codes = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)
+        bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)
+        scale = bits.to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(src[:, None] + offs_c[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+        scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), PTH_FLOOR)
+        q = tl.math.div_rn(x, scale[:, None])
+        if MODE == 1:
+            codes = fp8_e4m3_bits(q)
+        else:
+            codes = tl.minimum(tl.maximum(_round_away(q), -128.0), 127.0).to(tl.int32) & 0xFF
+    tl.store(dst[:, None] + offs_c[None, :], codes.to(tl.uint8), mask=mask[:, None])
+    tl.store(scale_dst, scale, mask=mask)
+
+
+@triton.jit
+def _store_pth_kernel(
+    key_ptr, value_ptr, cache_ptr, scale_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_ch,
+    num_kv_heads,
+    DATA_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MODE: tl.constexpr, QMAX: tl.constexpr, V_OFF: tl.constexpr, KS_OFF4: tl.constexpr, VS_OFF4: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    block = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = offs_h < num_kv_heads
+    offs_c = tl.arange(0, DATA_BYTES)
+    row = block * stride_cb + offset * stride_ct + offs_h * stride_ch
+    row4 = block * (stride_cb // 4) + offset * (stride_ct // 4) + offs_h * (stride_ch // 4)
+    _pth_side(key_ptr + token * stride_kt + offs_h * stride_kh, cache_ptr + row, scale_ptr + row4 + KS_OFF4,
+              mask, offs_c, MODE, QMAX)
+    _pth_side(value_ptr + token * stride_vt + offs_h * stride_vh, cache_ptr + V_OFF + row, scale_ptr + row4 + VS_OFF4,
+              mask, offs_c, MODE, QMAX)
+
+
+def store_kv_pth(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 fmt: str) -> None:
+    """Write `key`/`value` [num_tokens, num_kv_heads, head_dim] into a per-token-head cache in place, each
+    (token, head) with its own scale; int4 rotates K and V first (`rotate_kv`). Negative slots are skipped."""
+    from kvpolicy.kernels.formats import PTH_QMAX
+
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != 3 or t.shape != key.shape:
+            raise ValueError(f"{name}: expected [num_tokens, num_kv_heads, head_dim] like key, got {tuple(t.shape)}")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    check_pth_cache(cache, fmt, num_kv_heads, head_dim)
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping: expected int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if t.device != cache.device:
+            raise ValueError(f"{name}: on {t.device}, the cache is on {cache.device}")
+    if num_tokens == 0:
+        return
+    if fmt == "int4_per_token_head":
+        key, value = rotate_kv(key), rotate_kv(value)
+    key, value = key.contiguous(), value.contiguous()
+    lay = pth_layout(fmt, head_dim)
+    _store_pth_kernel[(num_tokens,)](
+        key, value, cache, pth_scales(cache), slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2),
+        num_kv_heads,
+        DATA_BYTES=lay.data_bytes, BLOCK_H=triton.next_power_of_2(num_kv_heads), PAGE_SIZE=cache.shape[1],
+        MODE=PTH_MODE[fmt], QMAX=PTH_QMAX[fmt], V_OFF=lay.v_off, KS_OFF4=lay.k_scale_off // 4,
+        VS_OFF4=lay.v_scale_off // 4,
+        num_warps=4,
+    )

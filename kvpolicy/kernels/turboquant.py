@@ -411,6 +411,31 @@ def v4_program() -> list[PtxOp]:
     ]
 
 
+def i8_program() -> list[PtxOp]:
+    """int8 codes (the per-token-head formats): in $2 = 4 signed bytes; out ($0, $1) the same four values as exact
+    fp16. The sign bit flipped makes each byte x + 128; under exponent 2^10 that is 1024 + x + 128, and 1152 is
+    subtracted in fp16 (exact): 5 ops per word where a conversion instruction per value runs at quarter rate."""
+    xor = 0x3C  # lop3: a ^ b
+    return [
+        ("mov", "m", 0x64806480),  # two fp16 1152.0
+        ("lop3", "t", "$2", 0x80808080, 0, xor),
+        ("prmt", "$0", "t", 0x64646464, 0x5140),  # [0x64 byte1 0x64 byte0]
+        ("prmt", "$1", "t", 0x64646464, 0x5342),
+        ("hsub2", "$0", "$0", "m"),
+        ("hsub2", "$1", "$1", "m"),
+    ]
+
+
+def nibbles_program() -> list[PtxOp]:
+    """int4_per_token_head key bytes: in $2 = 4 bytes; out $0 = their low nibbles, $1 = their high nibbles, each
+    as 4 bytes (0..15) for an int8 MMA."""
+    return [
+        ("and", "$0", "$2", 0x0F0F0F0F),
+        ("shr", "t", "$2", 4),
+        ("and", "$1", "t", 0x0F0F0F0F),
+    ]
+
+
 def v3_program() -> list[PtxOp]:
     """3-bit value codes: in $8 = 2-bit plane bytes, $9 = high-bit bytes (quarter s at bit 2s);
     out quarter s = 4^s * code in ($2s, $2s+1), exact fp16: the code's bits stay where they are."""

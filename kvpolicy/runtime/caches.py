@@ -34,6 +34,8 @@ KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head dims the BF16/FP8 Triton decode kernel takes."""
 TQ_HEAD_DIMS = (64, 128, 256)
 """Head dims the TurboQuant kernels take."""
+PTH_HEAD_DIMS = (64, 128, 256)
+"""Head dims the per-token-head kernels take (`kvpolicy.kernels.formats.PTH_HEAD_DIMS`)."""
 
 
 
@@ -82,6 +84,8 @@ class LayerPlan:
         layer (or on the CPU)."""
         if backend != "triton":
             return "reference"
+        if self.fmt is not None and self.fmt.per_token_head:
+            return "triton" if self.head_dim in PTH_HEAD_DIMS and self.kind != "mla" else "reference"
         if self.fmt is not None and self.fmt.kind == "turboquant":
             if gluon:
                 # Hopper: TurboQuant layers read a planar cache with the Gluon kernel (what it takes is its own to say)
@@ -163,6 +167,9 @@ def plan_layers(arch: ModelArch, variant: Variant) -> list[LayerPlan]:
             if fmt.kind == "turboquant" and k not in TQ_HEAD_DIMS:
                 raise InputError(f"{arch.id}: layer {i} has head_dim {k}; the TurboQuant kernels take "
                                  f"{', '.join(map(str, TQ_HEAD_DIMS))}. Compare fp8 or bf16 instead.")
+            if fmt.per_token_head and k not in PTH_HEAD_DIMS:
+                raise InputError(f"{arch.id}: layer {i} has head_dim {k}; the per-token-head kernels take "
+                                 f"{', '.join(map(str, PTH_HEAD_DIMS))}. Compare fp8 or bf16 instead.")
             plans.append(LayerPlan(fmt=fmt, num_kv_heads=arch.num_kv_heads, head_dim=k, out_dim=k,
                                    window=arch.sliding_window if kind == "sliding" else None,
                                    bytes_per_token=layer_kv_bytes_per_token(arch, i, fmt), **common))
@@ -184,7 +191,8 @@ class LayerCache:
     plan: LayerPlan
     """What the layer holds."""
     key_cache: Any = None
-    """[num_blocks, block_size, num_kv_heads, head_dim] (BF16/FP8); the packed uint8 cache for TurboQuant."""
+    """[num_blocks, block_size, num_kv_heads, head_dim] (BF16/FP8); the packed uint8 cache for TurboQuant and
+    the per-token-head formats (rows of codes and inline scales)."""
     value_cache: Any = None
     """Value cache (the same tensor as key_cache for MLA latents; None for TurboQuant)."""
     k_scale: Any = None
@@ -244,6 +252,14 @@ def allocate(plans: list[LayerPlan], batch: int, max_context: int, device: Any,
             planar = plan.kernel_path("triton", gluon_available(torch.device(device))) == "gluon"
             c.key_cache = (allocate_tq_planar_cache if planar else allocate_tq_cache)(
                 num_blocks, block_size, plan.num_kv_heads, plan.head_dim, plan.fmt.name, device)
+        elif plan.fmt.per_token_head:
+            from kvpolicy.kernels.paged_store import allocate_pth_cache
+
+            if plan.kind == "mla":
+                raise InputError(f"layer {plan.index}: the runtime's per-token-head kernels store K/V heads, not "
+                                 "MLA latents; compare fp8 or bf16 on this model.")
+            c.key_cache = allocate_pth_cache(num_blocks, block_size, plan.num_kv_heads, plan.head_dim, plan.fmt.name,
+                                             device, layout)
         elif plan.kind == "mla":
             # One latent serves as K and V: the second tensor allocate_cache returns is dropped.
             c.key_cache, _ = allocate_cache(num_blocks, block_size, 1, plan.head_dim,

@@ -82,9 +82,10 @@ def geometry_plan(arch: ModelArch) -> LayerPlan:
 
 
 def plan_for(arch: ModelArch, base: LayerPlan, variant: Variant) -> LayerPlan | None:
-    """The geometry layer in the variant's format (None where the format does not apply, e.g. TurboQuant on MLA)."""
+    """The geometry layer in the variant's format (None where the format does not apply: TurboQuant or the
+    per-token-head formats on MLA)."""
     fmt = FORMATS[variant.kv_cache_dtype]
-    if base.kind == "mla" and fmt.kind == "turboquant":
+    if base.kind == "mla" and (fmt.kind == "turboquant" or fmt.per_token_head):
         return None
     return replace(base, fmt=fmt, bytes_per_token=layer_kv_bytes_per_token(arch, base.index, fmt))
 

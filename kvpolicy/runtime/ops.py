@@ -26,6 +26,16 @@ def store(cache: LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torc
     """Write K/V [tokens, num_kv_heads, head_dim] at int64 `slots` [tokens] into the layer's cache."""
     plan = cache.plan
     assert plan.fmt is not None
+    if plan.fmt.per_token_head:
+        if backend == "triton" and plan.kernel_path(backend) == "triton":
+            from kvpolicy.kernels.paged_store import store_kv_pth
+
+            store_kv_pth(key, value, cache.key_cache, slots, plan.fmt.name)
+        else:
+            from kvpolicy.kernels.reference import ref_store_kv_pth
+
+            ref_store_kv_pth(key, value, cache.key_cache, slots, plan.fmt.name)
+        return
     if plan.fmt.kind == "turboquant":
         if backend == "triton":
             from kvpolicy.kernels.tq_store import store_kv_tq
@@ -65,7 +75,17 @@ def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables
     assert fmt is not None
     path = plan.kernel_path(backend, gluon_available(query.device))
     common: dict[str, Any] = {"sm_scale": plan.sm_scale, "sliding_window": plan.window, "sinks": cache.sinks}
-    if fmt.kind == "turboquant":
+    if fmt.per_token_head:
+        if path == "triton":
+            from kvpolicy.kernels.decode_attention import decode_attention_pth
+
+            out = decode_attention_pth(query, cache.key_cache, block_tables, seq_lens, fmt.name, two_level=two_level,
+                                       **common)
+        else:
+            from kvpolicy.kernels.reference import ref_decode_attention_pth
+
+            out = ref_decode_attention_pth(query, cache.key_cache, block_tables, seq_lens, fmt.name, **common)
+    elif fmt.kind == "turboquant":
         if path in ("triton", "gluon"):
             from kvpolicy.kernels.tq_decode import decode_attention_tq
 

@@ -62,7 +62,7 @@ class Variant:
 
     @property
     def kind(self) -> str:
-        """Format family: bf16, fp8 or turboquant."""
+        """Format family: bf16, fp8, turboquant or *_per_token_head."""
         return FORMATS[self.kv_cache_dtype].kind
 
     @classmethod
@@ -79,10 +79,22 @@ class Variant:
         )
 
 
+RUNTIME_FAMILIES = ("bf16", "fp8", "turboquant", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head")
+"""The format families kvpolicy's kernels store and decode (on Hopper and off it)."""
+
+
 def _check_dtype(dtype: str, where: str) -> None:
     fmt = FORMATS.get(dtype)
     if fmt is None:
         raise InputError(f"{where}: unknown KV dtype `{dtype}`; known: {', '.join(FORMATS)}.")
+    if fmt.kind == "nvfp4":
+        raise InputError(f"{where}: `{dtype}` cannot run on Hopper or on kvpolicy's runtime: NVFP4 codes are decoded "
+                         "by Blackwell's FP4 tensor cores (vLLM serves it with FlashInfer on sm_100 only), which "
+                         "Hopper lacks. Its latency and accuracy figures come from the policy's evidence "
+                         f"(`kvpolicy explain`); compare fp8 or int4_per_token_head here instead.")
+    if fmt.kind not in RUNTIME_FAMILIES:
+        raise InputError(f"{where}: `{dtype}` ({fmt.kind}) is not run by kvpolicy's kernels; they run "
+                         "bf16, fp8, the TurboQuant formats and the *_per_token_head formats.")
     if fmt.kind == "fp8" and fmt.fp8_variant != "e4m3":
         raise InputError(f"{where}: `{dtype}` is not run by kvpolicy's kernels (they store FP8 as e4m3); "
                          "compare `fp8` instead.")
@@ -100,12 +112,13 @@ def parse_variant(text: str, default_two_level: bool = True) -> Variant:
     base, *mods = [p.strip() for p in text.strip().split("+")]
     if base in BASE_NAMES:
         dtype, skip = BASE_NAMES[base]
-    elif base in FORMATS and FORMATS[base].kind == "turboquant":
+    elif base in FORMATS and (FORMATS[base].kind == "turboquant" or FORMATS[base].per_token_head
+                              or FORMATS[base].kind == "nvfp4"):
         dtype, skip = base, ()
     else:
         from kvpolicy.errors import did_you_mean
 
-        known = [*BASE_NAMES, *(n for n, f in FORMATS.items() if f.kind == "turboquant")]
+        known = [*BASE_NAMES, *(n for n, f in FORMATS.items() if f.kind == "turboquant" or f.per_token_head)]
         raise InputError(f"--compare: unknown variant `{base}`.{did_you_mean(base, known)} "
                          f"Known: {', '.join(known)}; modifiers: +one_level, +two_level, "
                          f"{', '.join('+' + m for m in SCALE_MODIFIERS)}.")

@@ -88,10 +88,11 @@ def _check_dtype(dtype: str, where: str) -> None:
     if fmt is None:
         raise InputError(f"{where}: unknown KV dtype `{dtype}`; known: {', '.join(FORMATS)}.")
     if fmt.kind == "nvfp4":
-        raise InputError(f"{where}: `{dtype}` cannot run on Hopper or on kvpolicy's runtime: NVFP4 codes are decoded "
-                         "by Blackwell's FP4 tensor cores (vLLM serves it with FlashInfer on sm_100 only), which "
-                         "Hopper lacks. Its latency and accuracy figures come from the policy's evidence "
-                         f"(`kvpolicy explain`); compare fp8 or int4_per_token_head here instead.")
+        # vLLM serves nvfp4 through FlashInfer (nvfp4_4over6 on SM100 only); no kernel of ours decodes it.
+        raise InputError(f"{where}: `{dtype}` cannot run on Hopper in kvpolicy's runtime: its kernels have no FP4 "
+                         "path (NVFP4 is decoded natively by Blackwell's FP4 tensor cores; vLLM serves it with "
+                         "FlashInfer). Its capacity and accuracy come from the policy's evidence "
+                         "(`kvpolicy rule KV111`), not from a measurement here; compare fp8 or int4_per_token_head.")
     if fmt.kind not in RUNTIME_FAMILIES:
         raise InputError(f"{where}: `{dtype}` ({fmt.kind}) is not run by kvpolicy's kernels; they run "
                          "bf16, fp8, the TurboQuant formats and the *_per_token_head formats.")
@@ -100,12 +101,6 @@ def _check_dtype(dtype: str, where: str) -> None:
                          "compare `fp8` instead.")
     if dtype == "float16":
         raise InputError(f"{where}: float16 caches are not run by kvpolicy's kernels; compare `bf16`.")
-    if fmt.family == "nvfp4":
-        raise InputError(f"{where}: `{dtype}` cannot run in kvpolicy's runtime: NVFP4 needs Blackwell's FP4 tensor "
-                         "cores (vLLM serves it with FlashInfer's trtllm-gen kernels on SM100), and the runtime's "
-                         "kernels target Hopper. Its capacity and accuracy come from evidence "
-                         "(`kvpolicy rule KV111`), not from a measurement here.")
-
 
 def parse_variant(text: str, default_two_level: bool = True) -> Variant:
     """`fp8`, `fp8_skip_sliding`, `turboquant_4bit_nc`, `bf16`, with `+one_level`, `+per_tensor`, `+per_head`."""

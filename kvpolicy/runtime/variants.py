@@ -102,6 +102,7 @@ def _check_dtype(dtype: str, where: str) -> None:
     if dtype == "float16":
         raise InputError(f"{where}: float16 caches are not run by kvpolicy's kernels; compare `bf16`.")
 
+
 def parse_variant(text: str, default_two_level: bool = True) -> Variant:
     """`fp8`, `fp8_skip_sliding`, `turboquant_4bit_nc`, `bf16`, with `+one_level`, `+per_tensor`, `+per_head`."""
     base, *mods = [p.strip() for p in text.strip().split("+")]

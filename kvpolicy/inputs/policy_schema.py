@@ -228,6 +228,18 @@ class Recovery(_Strict):
     """Recovery (score / BF16 score); the lower bound of the study's range."""
     max_context_tokens: int = Field(default=1 << 30, gt=0)
     """Longest context this figure covers."""
+    model: str | None = None
+    """Model catalog id the figure was measured on (`kvpolicy verify --record`); with `gpu`, it then applies to
+    that model on that GPU only, ahead of the unscoped figures. None: a study's figure for every model."""
+    gpu: str | None = None
+    """GPU catalog id the figure was measured on; set together with `model`."""
+
+    @model_validator(mode="after")
+    def _scoped_together(self) -> Recovery:
+        if (self.model is None) != (self.gpu is None):
+            raise ValueError("a measured recovery names both `model` and `gpu` (the deployment it was measured "
+                             "on), or neither (a study's figure)")
+        return self
 
 
 class KernelFit(_Strict):

@@ -147,8 +147,9 @@ def test_two_level_toggle_is_the_same_function(device: str) -> None:
     case = make_case(device, [300], 4, 1, 64, "fp8", per_head=False, value_offset=1.0)
     on = decode_attention(**case, two_level=True, num_splits=1)
     off = decode_attention(**case, two_level=False, num_splits=1)
-    # Both round P to e4m3 identically; only accumulation order/precision differs.
-    assert rel_err(off.float(), on.double()) < (1e-6 if INTERPRET else 5e-3)
+    # Both round P to e4m3 identically; only accumulation order/precision differs (off: the fp8 MMA's
+    # accumulator, a few hundred positions are not yet enough to lose much).
+    assert rel_err(off.float(), on.double()) < (1e-6 if INTERPRET else 3e-2)
 
 
 def test_splits_agree(device: str) -> None:
@@ -251,6 +252,9 @@ def test_gpu_two_level_bounds_long_context_error(device: str, config: str) -> No
     print(f"two-level errors ({config}):", {k: f"{v:.2e}" for k, v in errs.items()})
     assert errs[131072, True] <= 2 * errs[4096, True]
     assert errs[131072, True] < 1e-2
+    if torch.cuda.get_device_capability() == (9, 0):
+        # one level is FA3's form: e4m3 P.V carried in Hopper's fp8 wgmma loses the long sum
+        assert errs[131072, False] > 10 * errs[131072, True] and errs[131072, False] > 0.05
 
 
 @pytest.mark.gpu

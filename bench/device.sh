@@ -7,6 +7,9 @@
 #             call, GPU tests first (-x, AB_TESTS), then the table of every row's slope old vs new
 #             (AB_ROWS, AB_CONTEXTS: the rows and contexts; slopes over AB_CONTEXTS)
 #   runtime   kvpolicy bench --record and verify for both layers, then tests/test_runtime_gpu.py (needs .whl)
+#   runtime37 issue 37's targets before (the tree in .ab/rt_base, carried) and after (this tree), same call: GPU
+#             tests, kvpolicy bench (Llama, fp8 and turboquant_4bit_nc, batch 1), bench_host.py's host cost, the
+#             BF16 kernel against cuDNN eager and in graph replay, the one-level needle verify at 64k-256k
 #   evidence  the evidence run (every row, batch 8, --evidence) and the Gluon rows at batch 1 (KVP_COMMIT: the
 #             commit measured)
 # Logs and JSON go to OUTDIR (the device returns at most 8 files). Pure-Python wheels that the device image lacks
@@ -67,6 +70,27 @@ runtime)
   for c in 4k 32k; do kvp recommend -m llama-3.1-8b -g auto -c $c --policy "$out/measured-h200.yaml" -f json |
       python3 -c "import json,sys; r=json.load(sys.stdin); e=r['estimates']; print('$c', r['decision']['kv_cache_dtype'], e['itl_slope_ratio'], e['break_even_tokens'])"; done
   pytest_gpu pytest_runtime.log -rs tests/test_runtime_gpu.py
+  ;;
+runtime37)
+  base=${AB_BASE:-.ab/rt_base}
+  kvp() { python3 -m kvpolicy "$@"; }
+  fits() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(f\"{f['variant']:22} slope {f['slope_ms_per_token']:.4e} intercept {f['intercept_ms']:.4f} ratio {f['slope_ratio']} be {f['break_even_tokens']}\") for f in r['fits']]" "$1"; }
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_decode_attention.py tests/test_runtime_gpu.py \
+      -k "${R37_TESTS:-two_level or chained or realistic or runtime}" > "$out/pytest.log" 2>&1; echo "tests: $(tail -1 "$out/pytest.log")"
+  cp bench/bench_host.py "$base/bench/" 2>/dev/null
+  for tree in base this; do
+    dir=.; [ $tree = base ] && dir=$base
+    (cd "$dir" && PYTHONPATH="$PWD:/tmp/site" timeout 120 python3 -m kvpolicy bench -m llama-3.1-8b --compare fp8,turboquant_4bit_nc \
+        --batch 1 --contexts 1k..128k --no-plot -f json --out "$out/bench_$tree" > "$out/bench_$tree.json" 2> "$out/bench_$tree.err")
+    echo "== kvpolicy bench ($tree)"; fits "$out/bench_$tree.json" || tail -3 "$out/bench_$tree.err"
+    (cd "$dir" && PYTHONPATH="$PWD:/tmp/site" timeout 90 python3 bench/bench_host.py --sections "${R37_HOST:-host}" \
+        --json "$out/host_$tree.json" > "$out/host_$tree.log" 2>&1) || echo "host $tree failed: $(tail -2 "$out/host_$tree.log")"
+    (cd "$dir" && PYTHONPATH="$PWD:/tmp/site" timeout 100 python3 -m kvpolicy verify -m llama-3.1-8b \
+        --contexts 64k,128k,256k --compare fp8+one_level -f json --out "$out/verify_$tree" > "$out/verify_$tree.json" \
+        2> "$out/verify_$tree.err") || echo "verify $tree failed: $(tail -2 "$out/verify_$tree.err")"
+  done
+  timeout 120 python3 bench/bench_host.py --sections graph --json "$out/graph.json" > "$out/graph.log" 2>&1
+  grep -h "^|" "$out/host_base.log" "$out/host_this.log" "$out/graph.log" | grep -v -- "---"
   ;;
 evidence)
   export KVP_COMMIT=${KVP_COMMIT:-unknown}

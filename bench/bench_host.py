@@ -232,14 +232,19 @@ def section_step(device: torch.device, report: dict) -> None:
 
 
 def _profile(step: Any, report: dict) -> None:
+    for label, fn in (("eager", step.run), ("graph replay", graph_of(step.run))):
+        _profile_one(label, fn, report)
+
+
+def _profile_one(label: str, fn: Callable[[], Any], report: dict) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
-        step.run()
+        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            step.run()
+            fn()
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = {}
     for e in prof.events():
@@ -247,12 +252,12 @@ def _profile(step: Any, report: dict) -> None:
             totals.setdefault(e.name[:60], []).append(e.device_time_total if hasattr(e, "device_time_total")
                                                       else e.cuda_time_total)
     rows = sorted(((n, sum(v) / 5, len(v) / 5) for n, v in totals.items()), key=lambda r: -r[1])
-    print("\n### GPU time per kernel of one eager turboquant_4bit_nc step at 4096 tokens (torch.profiler, mean of 5)")
+    print(f"\n### GPU time per kernel of one {label} turboquant_4bit_nc step at 4096 tokens (torch.profiler, mean of 5)")
     print("| kernel | us per step | launches per step |")
     print("|---|---|---|")
     for n, us, k in rows[:12]:
         print(f"| {n} | {us:.1f} | {k:g} |")
-    report["step_profile"] = [{"kernel": n, "us": us, "launches": k} for n, us, k in rows]
+    report[f"step_profile {label}"] = [{"kernel": n, "us": us, "launches": k} for n, us, k in rows]
 
 
 # --------------------------------------------------------------------------- BF16 vs cuDNN, graph vs eager

@@ -72,25 +72,31 @@ runtime)
   pytest_gpu pytest_runtime.log -rs tests/test_runtime_gpu.py
   ;;
 runtime37)
-  base=${AB_BASE:-.ab/rt_base}
-  kvp() { python3 -m kvpolicy "$@"; }
+  # the device returns 8 files: the 7 JSON below and summary.log; logs go to /tmp
+  base=${AB_BASE:-.ab/rt_base}; tmp=/tmp/r37; mkdir -p $tmp
   fits() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(f\"{f['variant']:22} slope {f['slope_ms_per_token']:.4e} intercept {f['intercept_ms']:.4f} ratio {f['slope_ratio']} be {f['break_even_tokens']}\") for f in r['fits']]" "$1"; }
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_decode_attention.py tests/test_runtime_gpu.py \
-      -k "${R37_TESTS:-two_level or chained or realistic or runtime}" > "$out/pytest.log" 2>&1; echo "tests: $(tail -1 "$out/pytest.log")"
+  verdicts() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(p['variant'], p['context_tokens'], p['hits'], p['trials'], p['recovery'], p['out_rel_error']) for p in r['points']]" "$1"; }
+  {
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_decode_attention.py tests/kernels/test_tq_store.py \
+      tests/test_runtime_gpu.py -k "${R37_TESTS:-two_level or chained or realistic or runtime or store}" -s > $tmp/pytest.log 2>&1
+  echo "tests: $(grep -E "errors|passed|failed" $tmp/pytest.log | tail -3)"
   cp bench/bench_host.py "$base/bench/" 2>/dev/null
   for tree in base this; do
     dir=.; [ $tree = base ] && dir=$base
     (cd "$dir" && PYTHONPATH="$PWD:/tmp/site" timeout 120 python3 -m kvpolicy bench -m llama-3.1-8b --compare fp8,turboquant_4bit_nc \
-        --batch 1 --contexts 1k..128k --no-plot -f json --out "$out/bench_$tree" > "$out/bench_$tree.json" 2> "$out/bench_$tree.err")
-    echo "== kvpolicy bench ($tree)"; fits "$out/bench_$tree.json" || tail -3 "$out/bench_$tree.err"
+        --batch 1 --contexts 1k..128k --no-plot -f json --out $tmp/b_$tree > "$out/bench_$tree.json" 2> $tmp/bench_$tree.err)
+    echo "== kvpolicy bench ($tree)"; fits "$out/bench_$tree.json" || tail -3 $tmp/bench_$tree.err
     (cd "$dir" && PYTHONPATH="$PWD:/tmp/site" timeout 90 python3 bench/bench_host.py --sections "${R37_HOST:-host}" \
-        --json "$out/host_$tree.json" > "$out/host_$tree.log" 2>&1) || echo "host $tree failed: $(tail -2 "$out/host_$tree.log")"
+        --json "$out/host_$tree.json" > $tmp/host_$tree.log 2>&1) || echo "host $tree failed: $(tail -2 $tmp/host_$tree.log)"
+    grep "^|" $tmp/host_$tree.log | grep -v -- "---"
     (cd "$dir" && PYTHONPATH="$PWD:/tmp/site" timeout 100 python3 -m kvpolicy verify -m llama-3.1-8b \
-        --contexts 64k,128k,256k --compare fp8+one_level -f json --out "$out/verify_$tree" > "$out/verify_$tree.json" \
-        2> "$out/verify_$tree.err") || echo "verify $tree failed: $(tail -2 "$out/verify_$tree.err")"
+        --contexts 64k,128k,256k --compare fp8+one_level -f json --out $tmp/v_$tree > "$out/verify_$tree.json" \
+        2> $tmp/verify_$tree.err) || echo "verify $tree failed: $(tail -2 $tmp/verify_$tree.err)"
+    echo "== verify ($tree)"; verdicts "$out/verify_$tree.json"
   done
-  timeout 120 python3 bench/bench_host.py --sections graph --json "$out/graph.json" > "$out/graph.log" 2>&1
-  grep -h "^|" "$out/host_base.log" "$out/host_this.log" "$out/graph.log" | grep -v -- "---"
+  timeout 120 python3 bench/bench_host.py --sections graph --json "$out/graph.json" > $tmp/graph.log 2>&1
+  grep "^|" $tmp/graph.log | grep -v -- "---"
+  } 2>&1 | tee "$out/summary.log"
   ;;
 evidence)
   export KVP_COMMIT=${KVP_COMMIT:-unknown}

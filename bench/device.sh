@@ -9,13 +9,16 @@
 #   runtime   kvpolicy bench --record and verify for both layers, then tests/test_runtime_gpu.py (needs .whl)
 #   pth       the per-token-head kernels: their GPU tests, then batch 8 at 32k and 128k on both layers against
 #             cuDNN BF16 and our FP8 kernels, NHD and HND pages and one other tile size each
+#   runtime37 issue 37's targets before (the tree in .ab/rt_base, carried) and after (this tree), same call: GPU
+#             tests, kvpolicy bench (Llama, fp8 and turboquant_4bit_nc, batch 1), bench_host.py's host cost, the
+#             BF16 kernel against cuDNN eager and in graph replay, the one-level needle verify at 64k-256k
 #   evidence  the evidence run (every row, batch 8, --evidence) and the Gluon rows at batch 1 (KVP_COMMIT: the
 #             commit measured)
 # Logs and JSON go to OUTDIR (the device returns at most 8 files). Pure-Python wheels that the device image lacks
 # (pydantic, ruamel.yaml; `pip download` them into the git-ignored .whl/ and carry it) are installed when present.
 set -uo pipefail
-out=${1:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|pth|evidence}
-mode=${2:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|pth|evidence}
+out=${1:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|runtime37|pth|evidence}
+mode=${2:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|runtime37|pth|evidence}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -77,6 +80,33 @@ pth)
 int8_per_token_head_n32,int4_per_token_head_n128,sdpa_cudnn --contexts 32768,131072 --batch 8 --skip-accuracy \
       --out "$out/bench_pth.json" > "$out/bench_pth.log" 2>&1
   sed -n '/^## /,$p' "$out/bench_pth.log"
+  ;;
+runtime37)
+  # the device returns 8 files: the 7 JSON below and summary.log; logs go to /tmp
+  base=${AB_BASE:-.ab/rt_base}; tmp=/tmp/r37; mkdir -p $tmp
+  fits() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(f\"{f['variant']:22} slope {f['slope_ms_per_token']:.4e} intercept {f['intercept_ms']:.4f} ratio {f['slope_ratio']} be {f['break_even_tokens']}\") for f in r['fits']]" "$1"; }
+  verdicts() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(p['variant'], p['context_tokens'], p['hits'], p['trials'], p['recovery'], p['out_rel_error']) for p in r['points']]" "$1"; }
+  {
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_decode_attention.py tests/kernels/test_tq_store.py \
+      tests/test_runtime_gpu.py -k "${R37_TESTS:-two_level or chained or realistic or runtime or store}" -s > $tmp/pytest.log 2>&1
+  echo "tests: $(grep -E "errors|passed|failed" $tmp/pytest.log | tail -3)"
+  cp bench/bench_host.py "$base/bench/" 2>/dev/null
+  for tree in base this; do
+    dir=.; [ $tree = base ] && dir=$base
+    (cd "$dir" && PYTHONPATH="$PWD:/tmp/site" timeout 120 python3 -m kvpolicy bench -m llama-3.1-8b --compare fp8,turboquant_4bit_nc \
+        --batch 1 --contexts 1k..128k --no-plot -f json --out $tmp/b_$tree > "$out/bench_$tree.json" 2> $tmp/bench_$tree.err)
+    echo "== kvpolicy bench ($tree)"; fits "$out/bench_$tree.json" || tail -3 $tmp/bench_$tree.err
+    (cd "$dir" && PYTHONPATH="$PWD:/tmp/site" timeout 90 python3 bench/bench_host.py --sections "${R37_HOST:-host}" \
+        --json "$out/host_$tree.json" > $tmp/host_$tree.log 2>&1) || echo "host $tree failed: $(tail -2 $tmp/host_$tree.log)"
+    grep "^|" $tmp/host_$tree.log | grep -v -- "---"
+    (cd "$dir" && PYTHONPATH="$PWD:/tmp/site" timeout 100 python3 -m kvpolicy verify -m llama-3.1-8b \
+        --contexts 64k,128k,256k --compare fp8+one_level -f json --out $tmp/v_$tree > "$out/verify_$tree.json" \
+        2> $tmp/verify_$tree.err) || echo "verify $tree failed: $(tail -2 $tmp/verify_$tree.err)"
+    echo "== verify ($tree)"; verdicts "$out/verify_$tree.json"
+  done
+  timeout 120 python3 bench/bench_host.py --sections graph --json "$out/graph.json" > $tmp/graph.log 2>&1
+  grep "^|" $tmp/graph.log | grep -v -- "---"
+  } 2>&1 | tee "$out/summary.log"
   ;;
 evidence)
   export KVP_COMMIT=${KVP_COMMIT:-unknown}

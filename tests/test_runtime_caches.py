@@ -136,6 +136,7 @@ def test_linear_and_mla_layers():
     qwen = resolve_model("qwen3.5-27b")
     paths = DecodeStep.__new__(DecodeStep)
     paths.plans, paths.backend, paths.device = plan_layers(qwen, Variant("fp8")), "triton", CPU
+    paths.variant = Variant("fp8")
     assert "none (linear)" in DecodeStep.layer_paths(paths)
     mla = ModelArch(id="mini-mla", num_layers=2, layer_types=["mla", "mla"], num_attention_heads=4, num_kv_heads=4,
                     head_dim=48, kv_lora_rank=64, qk_rope_head_dim=16, attention="mla")

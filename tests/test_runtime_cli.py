@@ -60,6 +60,8 @@ def modelled_clock(step):
 def test_bench_on_the_cpu_writes_json_plot_and_records(tmp_path, capsys, monkeypatch):
     pytest.importorskip("torch")
     from kvpolicy.runtime import bench
+    from kvpolicy.runtime.record import record_bench
+    from kvpolicy.runtime.results import BenchResult
 
     real = bench.time_step
     calls = []
@@ -71,9 +73,14 @@ def test_bench_on_the_cpu_writes_json_plot_and_records(tmp_path, capsys, monkeyp
     monkeypatch.setattr(bench, "time_step", clock)
     folder = mini_oss(tmp_path)
     policy = tmp_path / "measured.yaml"
-    code = main(["bench", "--model", str(folder), "--gpu", "h100", "--device", "cpu", "--contexts", "64,128,256",
-                 "--compare", "turboquant_4bit_nc", "--out", str(tmp_path / "out"), "--record", str(policy),
-                 "--format", "json"])
+    args = ["bench", "--model", str(folder), "--gpu", "h100", "--device", "cpu", "--contexts", "64,128,256",
+            "--compare", "turboquant_4bit_nc", "--out", str(tmp_path / "out"), "--format", "json"]
+    # CPU reference timings never become evidence for a GPU: refused before anything runs
+    assert main([*args, "--record", str(policy)]) == 2
+    err = capsys.readouterr().err
+    assert "CPU torch references" in err and "nothing was recorded" in err
+    assert not policy.exists() and not calls
+    code = main(args)
     out, err = capsys.readouterr()
     assert code == 0, err
     result = json.loads(out)
@@ -93,10 +100,25 @@ def test_bench_on_the_cpu_writes_json_plot_and_records(tmp_path, capsys, monkeyp
         assert (tmp_path / "out" / "bench-mini-oss-h100-sxm.png").stat().st_size > 1000
     except ImportError:
         assert "pip install matplotlib" in err
-    assert "recorded evidence `bench-itl-mini-oss-h100-sxm`" in err
+    # the same lines as a run of the kernels on that GPU would record them
+    measured = BenchResult.model_validate(result)
+    with pytest.raises(InputError, match="CPU torch references"):
+        record_bench(measured, policy)
+    measured.environment = measured.environment.model_copy(update={"device": "NVIDIA H100 80GB HBM3",
+                                                                   "backend": "triton"})
+    assert record_bench(measured, policy) == "bench-itl-mini-oss-h100-sxm"
     code = main(["recommend", "--model", str(folder), "--gpu", "h100", "--policy", str(policy), "--format", "json"])
     rec = json.loads(capsys.readouterr().out)
     assert rec["estimates"]["itl_slope_ratio"]["provenance"] == "measured"
+
+
+def test_verify_record_on_the_cpu_is_refused(tmp_path, capsys):
+    pytest.importorskip("torch")
+    policy = tmp_path / "acc.yaml"
+    code = main(["verify", "--model", "gpt-oss-20b", "--gpu", "h100", "--device", "cpu", "--contexts", "256,1k",
+                 "--batch", "1", "--compare", "fp8", "--out", str(tmp_path), "--record", str(policy)])
+    err = capsys.readouterr().err
+    assert code == 2 and "accuracy (the exact float64 answer)" in err and not policy.exists()
 
 
 def test_bench_refuses_a_single_context(tmp_path, capsys):

@@ -46,12 +46,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", "-o", default="kvpolicy-results", help="folder for the JSON (and PNG) results")
     parser.add_argument("--format", "-f", choices=["table", "json"], default="table", help="what to print")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the synthetic K/V (default 0)")
+    what = "slopes and break-even" if name == "bench" else "needle recoveries (per dtype and context)"
+    parser.add_argument("--record", metavar="FILE", default=None,
+                        help=f"write the measured {what} into this policy file as evidence for this model and GPU "
+                             "(created, extending builtin:default, when missing; GPU runs only)")
     if name == "bench":
         parser.add_argument("--batch", "-b", default="1",
                             help="batch sizes, comma separated (default 1: the documents' single request)")
-        parser.add_argument("--record", metavar="FILE", default=None,
-                            help="write the measured slopes and break-even into this policy file as evidence "
-                                 "(created, extending builtin:default, when missing)")
         parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
         parser.epilog = ("Example: kvpolicy bench --model llama-3.1-8b --contexts 1k..128k --record "
                          "policies/measured.yaml\n         kvpolicy recommend -m llama-3.1-8b -g auto "
@@ -154,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
     default = (GPU_CONTEXTS if backend == "triton" else CPU_CONTEXTS)[args.command]
     contexts = parse_contexts(args.contexts or default)
     arch, gpu, loaded, rec = _resolve(args, max(contexts))
+    if args.record:
+        _check_record_target(args.command, device, backend, gpu)
     compare = [c for item in args.compare for c in item.split(",")]
     out_dir = Path(args.out)
     if args.command == "bench":
@@ -173,15 +176,6 @@ def _bench(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any,
     facts_variants = ["fp8", "fp8_skip_sliding"] if arch.count("sliding") else ["fp8"]
     variants = variant_list(rec.decision, [*compare, *facts_variants], cache_layout(rec.decision, gpu.generation))
     record = Path(args.record) if args.record else None
-    if record is not None and backend == "triton":
-        import torch
-
-        from kvpolicy.inputs.catalog import resolve_gpu
-
-        here = resolve_gpu(torch.cuda.get_device_name(device), where="the local GPU")
-        if here.id != gpu.id:
-            raise InputError(f"--record: this run measures {here.name} (`{here.id}`), but --gpu names `{gpu.id}`; "
-                             "evidence must name the GPU it was measured on. Use --gpu auto.")
     total = len(variants) * len(batches) * len(contexts)
     with _progress(total, "bench") as progress:
         task = progress.add_task("", total=total)
@@ -203,8 +197,6 @@ def _bench(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any,
         else:
             notes.append(f"no plot: {INSTALL_HINT}")
     recorded = None
-    if record is not None and backend != "triton":
-        result.warnings.append(f"--record writes CPU reference timings into {record}: use it for tests only.")
     json_path.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
     if record is not None:
         from kvpolicy.runtime.record import record_bench
@@ -222,6 +214,23 @@ def _bench(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any,
         err.write(f"recorded evidence `{recorded}` in {record}: `kvpolicy recommend --model {arch.id} --gpu "
                   f"{gpu.id} --policy {record}` now uses these numbers.\n")
     return 0
+
+
+def _check_record_target(command: str, device: Any, backend: str, gpu: Any) -> None:
+    """Before any measurement: --record needs the kernels on the GPU the evidence names."""
+    if backend != "triton":
+        raise InputError(f"--record: this {command} would run the CPU torch references, not the kernels on `{gpu.id}`; "
+                         "their " + ("timings" if command == "bench" else "accuracy (the exact float64 answer)")
+                         + " say nothing about that GPU, and recorded evidence is what `recommend` treats as measured "
+                         "there. Run it on the GPU (--device cuda), or drop --record; nothing was recorded.")
+    import torch
+
+    from kvpolicy.inputs.catalog import resolve_gpu
+
+    here = resolve_gpu(torch.cuda.get_device_name(device), where="the local GPU")
+    if here.id != gpu.id:
+        raise InputError(f"--record: this run measures {here.name} (`{here.id}`), but --gpu names `{gpu.id}`; "
+                         "evidence must name the GPU it was measured on. Use --gpu auto.")
 
 
 def _print_bench(result: Any) -> None:
@@ -295,11 +304,19 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"verify-{arch.id}-{gpu.id}.json"
     json_path.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    recorded = None
+    if args.record:
+        from kvpolicy.runtime.record import record_verify
+
+        recorded = record_verify(result, Path(args.record))
     if args.format == "json":
         print(result.model_dump_json(indent=2))
     else:
         _print_verify(result)
     sys.stderr.write(f"JSON: {json_path}\n")
+    if recorded:
+        sys.stderr.write(f"recorded evidence `{recorded}` in {args.record}: `kvpolicy recommend --model {arch.id} "
+                         f"--gpu {gpu.id} --policy {args.record}` now uses these recoveries.\n")
     return 0
 
 

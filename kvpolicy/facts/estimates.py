@@ -156,36 +156,42 @@ def break_even(policy: Policy, gpu: GpuSpec, found: tuple[str, dict[str, ItlFit]
                     basis=f"threshold `break_even_tokens` for {gpu.generation} GPUs (dense-model figure of the studies)")
 
 
-def recovery(policy: Policy, dtype: str, context_tokens: int) -> Estimate:
-    """Expected accuracy recovery vs BF16 at a context length (lowest figure of the evidence)."""
+def recovery(policy: Policy, dtype: str, context_tokens: int, arch: ModelArch | None = None,
+             gpu: GpuSpec | None = None) -> Estimate:
+    """Expected accuracy recovery vs BF16 at a context length (lowest figure of the evidence).
+
+    Figures measured on this model and GPU (`kvpolicy verify --record`) come first; figures measured on another
+    deployment are ignored; the studies' unscoped figures apply otherwise.
+    """
     fmt = FORMATS[dtype]
     if fmt.kind == "bf16":
         return Estimate(value=1.0, unit="ratio", provenance="modelled", basis="BF16 is the baseline")
-    best: tuple[int, float, str, int | None] | None = None
     names = {dtype, "fp8"} if dtype in ("fp8", "fp8_e4m3") else {dtype}
-    for max_ctx, value, ev_id, rec_dtype, measured_to in _recoveries(policy):
-        if rec_dtype in names and max_ctx >= context_tokens:
-            cand = (max_ctx, value, ev_id, measured_to)
-            if best is None or cand[:2] < best[:2]:
-                best = cand
-    if best is None:
+    models = {n.lower() for n in (arch.id, *arch.aliases, arch.hf_id or "")} if arch is not None else set()
+    rows = [r for r in _recoveries(policy) if r[3] in names and r[0] >= context_tokens]
+    here = [r for r in rows if r[4] is not None and r[4].lower() in models and gpu is not None and r[5] == gpu.id]
+    pool = here or [r for r in rows if r[4] is None]
+    if not pool:
         return Estimate(value=None, unit="ratio", provenance="modelled",
                         basis=f"no published accuracy figure for {dtype} at {context_tokens} tokens; "
                               "measure with `kvpolicy verify`")
-    measured_to = best[3]
+    max_ctx, value, ev_id, *_, measured_to = min(pool, key=lambda r: (r[0], r[1]))
     if measured_to is not None and context_tokens > measured_to:
-        return Estimate(value=best[1], unit="ratio", provenance="extrapolated",
-                        basis=f"evidence `{best[2]}` (uncalibrated scales) measured up to {measured_to:,} tokens, "
+        return Estimate(value=value, unit="ratio", provenance="extrapolated",
+                        basis=f"evidence `{ev_id}` (uncalibrated scales) measured up to {measured_to:,} tokens, "
                               f"extrapolated to {context_tokens:,}; measure with `kvpolicy verify`")
-    return Estimate(value=best[1], unit="ratio", provenance="measured",
-                    basis=f"evidence `{best[2]}` (uncalibrated scales; lowest figure up to {best[0]} tokens)")
+    what = (f"measured on this model and GPU (needle recovery up to {max_ctx:,} tokens)" if here
+            else f"uncalibrated scales; lowest figure up to {max_ctx} tokens")
+    return Estimate(value=value, unit="ratio", provenance="measured", basis=f"evidence `{ev_id}` ({what})")
 
 
-def _recoveries(policy: Policy) -> list[tuple[int, float, str, str, int | None]]:
-    """(max context, value, evidence id, dtype, measured up to) of every recovery figure, once per policy object."""
+def _recoveries(policy: Policy) -> list[tuple[int, float, str, str, str | None, str | None, int | None]]:
+    """(max context, value, evidence id, dtype, model, gpu, measured up to) of every recovery figure, built once
+    per policy object."""
     rows = policy.derived.get(__name__)
     if rows is None:
-        rows = policy.derived[__name__] = [(r.max_context_tokens, r.value, ev.id, r.dtype, r.measured_up_to_tokens)
+        rows = policy.derived[__name__] = [(r.max_context_tokens, r.value, ev.id, r.dtype, r.model, r.gpu,
+                                            r.measured_up_to_tokens)
                                            for ev in policy.evidence for r in ev.recovery]
     return rows
 
@@ -246,7 +252,8 @@ class Figures:
 
     def recovery(self, dtype: str) -> Estimate:
         """Expected accuracy recovery of a dtype at the workload's context."""
-        return self._once(("recovery", dtype), lambda: recovery(self.policy, dtype, self.workload.context_tokens))
+        return self._once(("recovery", dtype), lambda: recovery(self.policy, dtype, self.workload.context_tokens,
+                                                          self.arch, self.gpu))
 
     def kernel_figure(self, dtype: str) -> KernelFigure:
         """kvpolicy's measured decode-attention slope for a dtype."""

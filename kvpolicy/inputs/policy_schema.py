@@ -231,6 +231,18 @@ class Recovery(_Strict):
     measured_up_to_tokens: int | None = Field(default=None, gt=0)
     """Longest context the study measured, when the figure is applied further (up to max_context_tokens):
     an estimate beyond it is labelled extrapolated, not measured."""
+    model: str | None = None
+    """Model catalog id the figure was measured on (`kvpolicy verify --record`); with `gpu`, it then applies to
+    that model on that GPU only, ahead of the unscoped figures. None: a study's figure for every model."""
+    gpu: str | None = None
+    """GPU catalog id the figure was measured on; set together with `model`."""
+
+    @model_validator(mode="after")
+    def _scoped_together(self) -> Recovery:
+        if (self.model is None) != (self.gpu is None):
+            raise ValueError("a measured recovery names both `model` and `gpu` (the deployment it was measured "
+                             "on), or neither (a study's figure)")
+        return self
 
 
 class KernelFit(_Strict):

@@ -5,7 +5,8 @@ One program handles one (KV head, split, sequence): the query heads of that KV h
 packed into the rows of one tile, so each K/V tile is read from HBM once per group; S = Q.K^T with the
 padded group as M (16 rows, mma.sync). FP8 K is upcast to fp16 for Q.K^T, or the query is quantised to
 e4m3 per program (`fp8_query`); P is rounded to e4m3 (scaled by `P_SCALE` first), as FA3 does, and P.V runs
-in fp16 on those exact values against V converted in registers. Scales fold into the math: k_scale (and the
+in fp16 on those exact values against V converted in registers (without two-level accumulation, e4m3 P
+times e4m3 V on the tensor cores, FA3's one-level form). Scales fold into the math: k_scale (and the
 query's scale) into the logit scale, v_scale into the output. Figures: bench/RESULTS.md; designs that
 won and lost: bench/KERNELS.md.
 """
@@ -120,8 +121,12 @@ def _e4m3_to_f16(x):
 @triton.jit
 def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
                  KV_FP8: tl.constexpr, FP8_QUERY: tl.constexpr, TWO_LEVEL: tl.constexpr, INTERPRET: tl.constexpr,
-                 DEFER_SUM: tl.constexpr):
-    """One online-softmax step over a K/V tile: returns the updated (running max, denominator, accumulator)."""
+                 DEFER_SUM: tl.constexpr, FP8_PV: tl.constexpr):
+    """One online-softmax step over a K/V tile: returns the updated (running max, denominator, accumulator).
+
+    `FP8_PV` (FP8 caches without two-level accumulation): P.V as FA3 computes it on Hopper, e4m3 P and V straight
+    into the tensor cores, the accumulator ([HEAD_DIM, BLOCK_H], so that head_dim is the MMA's M and the product
+    is an fp8 wgmma) carried inside the MMA from tile to tile."""
     # V is the transposed operand of P.V: left to itself, Triton keeps the e4m3 tile in shared memory and
     # gathers it byte by byte (LDS.U8) into the MMA layout. Converted to fp16 in registers by opaque inline
     # asm instead, it is staged in shared memory as fp16 and read with ldmatrix.trans. K is K-major, and
@@ -134,7 +139,10 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
             k = k.to(tl.float8e4nv, bitcast=True)
             if not FP8_QUERY:
                 k = k.to(tl.float16)
-            v = _e4m3_to_f16(v)
+            if FP8_PV:
+                v = v.to(tl.float8e4nv, bitcast=True)
+            else:
+                v = _e4m3_to_f16(v)
     elif INTERPRET:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -147,12 +155,17 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
-    acc = acc * alpha[:, None]
+    if FP8_PV:
+        acc = acc * alpha[None, :]
+    else:
+        acc = acc * alpha[:, None]
 
     if KV_FP8:
         if INTERPRET:
             # The interpreter's fp32 -> fp8 cast truncates; round exactly as the GPU does.
             p_op = fp8_e4m3_bits(p * P_SCALE).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif FP8_PV:
+            p_op = (p * P_SCALE).to(tl.float8e4nv)
         else:
             # The fp16-converted V takes an fp16 P; its values are still e4m3's.
             p_op = (p * P_SCALE).to(tl.float8e4nv).to(tl.float16)
@@ -173,9 +186,11 @@ def _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
         l_i = l_i * alpha[:, None] + p_w
     else:
         l_i = l_i * alpha + tl.sum(p_w, 1)
-    # fp8 and bf16 operands both reach this MMA as fp16/bf16 with fp32 accumulation, so the two forms compute
-    # the same sums; `two_level` chooses between them
-    if TWO_LEVEL:
+    # fp16/bf16 operands accumulate in fp32 inside the MMA, so for them the two forms compute the same sums;
+    # e4m3 operands (FP8_PV) do not: Hopper's fp8 wgmma keeps fewer accumulator bits than fp32 (bench/KERNELS.md)
+    if FP8_PV:
+        acc = tl.dot(tl.trans(v), tl.trans(p_op), acc)
+    elif TWO_LEVEL:
         acc += tl.dot(p_op, v)
     else:
         acc = tl.dot(p_op, v, acc)
@@ -321,6 +336,7 @@ def _decode_attention_kernel(
     TWO_LEVEL: tl.constexpr,
     DEFER_SUM: tl.constexpr,
     INTERPRET: tl.constexpr,
+    FP8_PV: tl.constexpr = False,
     # per-token-head caches (0: BF16/FP8; 1 fp8, 2 int8, 3 int4): one uint8 row per (token, KV head), K codes at
     # 0, V codes at V_OFF; k_scale_ptr is the cache as fp32, the scales at KS_OFF4 / VS_OFF4 of a row
     PTH: tl.constexpr = 0,
@@ -381,7 +397,10 @@ def _decode_attention_kernel(
         l_i = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
     else:
         l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    if FP8_PV:
+        acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
 
     bt_row = block_tables_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
@@ -422,8 +441,10 @@ def _decode_attention_kernel(
                                      stride_kb, stride_kt, stride_vb, stride_vt, PAGE_SIZE)
             pages = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
             m_i, l_i, acc = _attend_tile(k, v, valid, q_op, qk_scale, m_i, l_i, acc,
-                                         KV_FP8, FP8_QUERY, TWO_LEVEL, INTERPRET, DEFER_SUM)
+                                         KV_FP8, FP8_QUERY, TWO_LEVEL, INTERPRET, DEFER_SUM, FP8_PV)
 
+    if FP8_PV:
+        acc = tl.trans(acc)
     if DEFER_SUM:
         l_i = tl.sum(l_i, 1)
     out_scale = 1.0
@@ -537,8 +558,10 @@ def decode_attention(
     `sliding_window` of them when given). `sinks` (fp32 [num_q_heads]) are logits
     that join the softmax denominator only. K/V dequantise as stored * scale.
     `two_level` adds each tile's P.V into an fp32 accumulator (True) or carries
-    the accumulation inside the MMA (False): the Triton kernel's fp16/bf16 MMA accumulates
-    in fp32 either way; the Gluon kernel's wgmma does not. `fp8_query` quantises the query
+    the accumulation inside the MMA (False): BF16 caches accumulate in fp32 either way; with an
+    FP8 cache the Triton kernel then multiplies e4m3 P by e4m3 V on the tensor cores as FA3
+    does (on Hopper an fp8 wgmma, whose accumulator keeps fewer bits than fp32), and the
+    Gluon kernel carries its fp16 wgmma. `fp8_query` quantises the query
     to e4m3 (FP8 caches only). `num_splits` overrides the split-KV heuristic (`launch.split_count`),
     which uses the block table's capacity, not `seq_lens`, so the call needs no host
     sync and can be captured in a CUDA graph. `out` (query dtype or float32) is
@@ -621,6 +644,7 @@ def decode_attention(
         TWO_LEVEL=two_level,
         DEFER_SUM=cfg.defer_sum,
         INTERPRET=interpreting(),
+        FP8_PV=kv_fp8 and not two_level,
         num_warps=NUM_WARPS,
         num_stages=cfg.num_stages,
     )

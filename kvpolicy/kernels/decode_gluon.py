@@ -22,6 +22,8 @@ GQA groups up to 16, sm_90 only; `decode_attention.decode_attention` routes here
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -309,6 +311,12 @@ def _addressing(cache: torch.Tensor) -> tuple[int, int, int] | None:
     return None
 
 
+@functools.cache
+def _page_layout(head_dim: int) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of one page of one head (built once: every call's descriptors take it)."""
+    return gl.NVMMASharedLayout.get_default_for([PAGE, head_dim], gl.float8e4nv)
+
+
 def cache_descriptor(cache: torch.Tensor) -> tuple[TensorDescriptor, int, int, int] | None:
     """A 2-D TMA descriptor over an FP8 paged cache with one page of one head per box, and the
     `_addressing` of a (page, head) in it; None where `_addressing` is."""
@@ -317,7 +325,7 @@ def cache_descriptor(cache: torch.Tensor) -> tuple[TensorDescriptor, int, int, i
         return None
     nb, page, heads, d = cache.shape
     rows, cols = (nb * page, heads * d) if where[2] else (nb * heads * page, d)
-    layout = gl.NVMMASharedLayout.get_default_for([PAGE, d], gl.float8e4nv)
+    layout = _page_layout(d)
     return (TensorDescriptor(cache, [rows, cols], [cols, 1], [PAGE, d], layout), *where)
 
 

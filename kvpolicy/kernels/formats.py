@@ -19,6 +19,7 @@ of fp16 per field (`code_planes`, `field_planes`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -90,6 +91,7 @@ def tq_slot_bytes(fmt: str, head_dim: int) -> int:
     return total + total % 2
 
 
+@functools.cache
 def tq_layout(fmt: str, head_dim: int) -> TQLayout:
     """Slot layout of `fmt` at `head_dim`; raises ValueError for unknown formats or head dims."""
     if fmt not in TQ_FORMATS:
@@ -133,6 +135,7 @@ def plane_kinds(fmt: str, head_dim: int) -> list[str]:
                                                                    else ["value"])
 
 
+@functools.cache
 def planar_constexprs(fmt: str, head_dim: int) -> dict[str, int]:
     """The byte geometry of a planar page as the Gluon kernels compile it in: SLOT (bytes per token), KEY_BITS,
     V_BITS, KBM / VBM (bytes per token of the first key / value code plane), KB / VB (of all key / value

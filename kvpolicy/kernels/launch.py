@@ -40,8 +40,15 @@ def sm_count(device: torch.device) -> int:
 
 def resident_programs(regs_per_thread: int, smem_bytes: int, num_warps: int, device: torch.device) -> int:
     """Programs of this size one SM of `device` holds at once: 64K registers per SM (allocated per warp in units
-    of 8 per thread), its shared memory (+1 KB reserved per block), its threads."""
-    props = torch.cuda.get_device_properties(device)
+    of 8 per thread), its shared memory (+1 KB reserved per block), its threads. Cached per device: every
+    decode call asks."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _resident(regs_per_thread, smem_bytes, num_warps, index)
+
+
+@functools.cache
+def _resident(regs_per_thread: int, smem_bytes: int, num_warps: int, index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
     smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 233472
     threads_per_sm = getattr(props, "max_threads_per_multi_processor", 0) or 2048
     by_regs = 65536 // (-(-regs_per_thread // 8) * 8 * 32 * num_warps)

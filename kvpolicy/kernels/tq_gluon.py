@@ -81,6 +81,7 @@ LAZY_MAX_MARGIN = gl.constexpr(_MARGIN)
 FLAGS_LAYOUT = gl.constexpr(gl.BlockedLayout([4], [32], [4], [0]))  # every thread holds the 4 warps' flags
 
 
+@functools.cache
 def key_layout(block_n: int, key_bytes: int) -> gl.DistributedLinearLayout:
     """Register layout of a tile's code words of one plane [block_n, key_bytes / 4] (int32) in memory order:
     each thread holds a contiguous quarter of a row (one or two 16-byte loads) for the rows the wgmma A

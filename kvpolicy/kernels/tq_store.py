@@ -1,8 +1,12 @@
 """Store kernel: quantize new tokens' K/V and pack them into a paged TurboQuant cache.
 
 One program codes BLOCK_T tokens of one KV head: it rotates the keys by the
-shared Hadamard matrix (an fp32 dot with IEEE precision, so the codes match
-the float64 reference except at exact ties), picks the Lloyd-Max code of every
+shared Hadamard matrix, exactly up to fp32 sums (so the codes match the float64
+reference except at exact ties): the matrix is +-1 / sqrt(D), and each fp32 key
+splits exactly into three bf16 pieces whose products with +-1 are exact, so
+three bf16 tensor-core products with fp32 accumulation give the fp32 dot. (An
+IEEE fp32 `tl.dot` does the same on the CUDA cores, and took ~70 us per call on
+an H100, one token or sixteen: the whole decode step's cost.) Then it picks the Lloyd-Max code of every
 coordinate, folds the norm correction into the stored fp16 norm, codes the
 values per vector, and writes whole slots. Layouts are in `formats.py`.
 """
@@ -16,6 +20,7 @@ import triton.language as tl
 from kvpolicy.kernels.reductions import rmax, rmin, rsum
 from kvpolicy.kernels.formats import FP8_E4M3_MAX, tq_layout
 from kvpolicy.kernels.formats import PAGE as PLANAR_PAGE
+from kvpolicy.kernels.launch import interpreting
 from kvpolicy.kernels.turboquant import kernel_tables
 
 
@@ -41,7 +46,7 @@ def _at16(base, dest, off, valid, PLANAR: tl.constexpr):
 def _store_kv_tq_kernel(
     # tensors
     key_ptr, value_ptr, cache_u8_ptr, cache_f16_ptr, slot_ptr,
-    rot_ptr, bnd_ptr, cb_ptr, dest_ptr,
+    rot_ptr, bnd_ptr, cb_ptr, dest_ptr, rot_scale,
     # sizes and strides (elements of key/value, bytes of the cache)
     num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, row_bytes,
     # layout
@@ -53,6 +58,7 @@ def _store_kv_tq_kernel(
     PLANAR: tl.constexpr, PAGE: tl.constexpr, NUM_KV: tl.constexpr,
     # tiling
     BLOCK_T: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
@@ -88,10 +94,18 @@ def _store_kv_tq_kernel(
         csq = tl.full([BLOCK_T], 0, dtype=tl.float32)
         packed = tl.full([BLOCK_T, C], 0, dtype=tl.int32)  # 4-bit codes, or the 2-bit plane
         plane1 = tl.full([BLOCK_T, E], 0, dtype=tl.int32)
+        # k = k_hi + k_mid + k_lo exactly (8 significand bits each); tf32 would move coordinates by ~1e-3
+        k_hi = k.to(tl.bfloat16).to(tl.float32)
+        k_mid = (k - k_hi).to(tl.bfloat16).to(tl.float32)
+        k_lo = k - k_hi - k_mid
+        OP: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is wrong
         for c in tl.static_range(NCH):
-            r = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + (c * C + cols_c)[None, :])
-            # ieee: tf32 would move coordinates by ~1e-3 and flip codes near thresholds
-            u = tl.dot(k, r, input_precision="ieee") * inv[:, None]
+            # the signs of Pi^T sqrt(D), exact in bf16
+            r = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + (c * C + cols_c)[None, :]).to(OP)
+            u = tl.dot(k_hi.to(OP), r)
+            u = tl.dot(k_mid.to(OP), r, u)
+            u = tl.dot(k_lo.to(OP), r, u)
+            u = u * (inv * rot_scale)[:, None]
             idx = tl.full([BLOCK_T, C], 0, dtype=tl.int32)
             for lvl in tl.static_range(2**KEY_BITS - 1):
                 idx += (u > tl.load(bnd_ptr + lvl)).to(tl.int32)
@@ -191,10 +205,10 @@ def store_kv_tq(
     grid = (triton.cdiv(t, block_t), h)
     _store_kv_tq_kernel[grid](
         key, value, cache, cache.view(torch.float16), slot_mapping,
-        tabs["rot_t_f32"], tabs["boundaries_f32"], tabs["codebook_f32"], tabs["planar_dest_i32"],
+        tabs["rot_t_sign_f16"], tabs["boundaries_f32"], tabs["codebook_f32"], tabs["planar_dest_i32"], d ** -0.5,
         t, key.stride(0), key.stride(1), value.stride(0), value.stride(1), h * lay.slot_bytes,
         HEAD_DIM=d, SLOT=lay.slot_bytes, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits,
         V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0), VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
         FP8_MAX=FP8_E4M3_MAX, PLANAR=planar, PAGE=PLANAR_PAGE if planar else cache.shape[1], NUM_KV=h,
-        BLOCK_T=block_t, num_warps=num_warps,
+        BLOCK_T=block_t, INTERPRET=interpreting(), num_warps=num_warps,
     )

@@ -231,6 +231,7 @@ def value_axes(head_dim: int, value_bits: int, ppw: int) -> tuple[tuple[int, ...
     return (4, ppw, 2, 4, 8, 2, 2, 2, 2), (0, 7, 6, 8, 4, 1, 2, 3, 5)
 
 
+@functools.cache
 def layouts(key_bytes: int, head_dim: int, value_bits: int, block_n: int) -> dict:
     """The kernel's tile constexprs: BN (the kernel derives the pages per warp from it), the score, field and
     load layouts (3-bit values are 8 words per token, one per thread g, at any head_dim: `_load_w`), the value
@@ -855,6 +856,7 @@ def _table_word(fmt: str, device: str) -> torch.Tensor:
     return torch.tensor([int8_table_word(tq_layout(fmt, 64).key_bits)], dtype=torch.int32).to(device)
 
 
+@functools.cache
 def kernel_constexprs(fmt: str, head_dim: int, group: int, num_kv_heads: int) -> dict:
     """The compile-time arguments that follow from the format and the shapes (a launch adds the per-call ones)."""
     lay = tq_layout(fmt, head_dim)

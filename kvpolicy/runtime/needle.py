@@ -234,7 +234,10 @@ def score(plan: LayerPlan, variant: Variant, case: NeedleCase, device: torch.dev
         v = case.value[:, lo:hi].reshape(-1, hkv, d).contiguous()
         ops.store(cache, k, v, slots, backend)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    out = ops.decode(cache, plan, case.query, cache.block_tables, seq_lens, backend, variant.two_level)
+    # One-level accumulation is decoded unsplit: the MMA then carries each sequence's whole context, as when a
+    # serving batch's sequences and KV heads fill the GPU without split-KV (its worst case; splits would reset it).
+    out = ops.decode(cache, plan, case.query, cache.block_tables, seq_lens, backend, variant.two_level,
+                     num_splits=None if variant.two_level else 1)
     out = out.to(torch.float64)
     group = plan.num_q_heads // hkv
     ch = case.channel.repeat_interleave(group)

@@ -65,15 +65,26 @@ def store(cache: LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torc
     ref_store_kv(key, value, cache.key_cache, cache.value_cache, slots, cache.k_scale, cache.v_scale)
 
 
+def layer_path(plan: LayerPlan, backend: str, device: torch.device, two_level: bool = True) -> str:
+    """The kernel that decodes `plan`'s layer (`LayerPlan.kernel_path`); FP8 layers without two-level
+    accumulation take the Triton kernel's FA3 form (e4m3 P.V carried in the MMA), never the Gluon kernel."""
+    path = plan.kernel_path(backend, gluon_available(device))
+    if path == "gluon" and plan.fmt is not None and plan.fmt.kind == "fp8" and not two_level:
+        return "triton"
+    return path
+
+
 def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, backend: str, two_level: bool = True) -> torch.Tensor:
+           seq_lens: torch.Tensor, backend: str, two_level: bool = True, num_splits: int | None = None) -> torch.Tensor:
     """One query token per sequence over `cache` (possibly another layer's, for shared layers).
 
-    Returns [batch, num_q_heads, out_dim] in the query's dtype.
+    Returns [batch, num_q_heads, out_dim] in the query's dtype. `num_splits` overrides the kernels' split count
+    (the references ignore it).
     """
     fmt = cache.plan.fmt
     assert fmt is not None
-    path = plan.kernel_path(backend, gluon_available(query.device))
+    hopper_fp8 = plan.kernel_path(backend, gluon_available(query.device)) == "gluon"
+    path = layer_path(plan, backend, query.device, two_level)
     common: dict[str, Any] = {"sm_scale": plan.sm_scale, "sliding_window": plan.window, "sinks": cache.sinks}
     if fmt.per_token_head:
         if path == "triton":
@@ -90,7 +101,8 @@ def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables
             from kvpolicy.kernels.tq_decode import decode_attention_tq
 
             out = decode_attention_tq(query, cache.key_cache, block_tables, seq_lens, fmt.name,
-                                      kernel="gluon" if path == "gluon" else "triton", **common)
+                                      kernel="gluon" if path == "gluon" else "triton", num_splits=num_splits,
+                                      **common)
         else:
             from kvpolicy.kernels.tq_reference import decode_attention_tq_ref
 
@@ -100,7 +112,8 @@ def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables
 
         out = decode_attention(query, cache.key_cache, cache.value_cache, block_tables, seq_lens,
                                k_scale=cache.k_scale, v_scale=cache.v_scale, two_level=two_level,
-                               fp8_query=path == "gluon", kernel="gluon" if path == "gluon" else "triton", **common)
+                               fp8_query=hopper_fp8, kernel="gluon" if path == "gluon" else "triton",
+                               num_splits=num_splits, **common)
     else:
         from kvpolicy.kernels.reference import ref_decode_attention
 

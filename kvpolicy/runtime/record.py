@@ -1,4 +1,5 @@
-"""`bench --record FILE`: write the measured ITL lines into a policy file as evidence.
+"""`bench --record FILE` and `verify --record FILE`: write measured ITL lines, or needle recoveries, into a
+policy file as evidence.
 
 The entry is an ordinary `evidence:` item with an `itl:` block for the model and
 GPU measured, so `--policy FILE` makes the estimates label slope ratio and
@@ -7,35 +8,63 @@ with them the dtype rules' thresholds) follow the user's GPU. An existing file
 is updated through `yamlio.update_yaml_file` (comments, order, quoting and
 indentation kept; written atomically) after the result validates as a policy;
 a missing file becomes a small policy that extends the built-in one.
+
+`verify --record` writes `recovery:` figures scoped to the model and GPU measured, which the accuracy
+estimate (and the rules reading it) then use for that deployment ahead of the studies' figures. Neither
+records a run of the CPU references: their timings say nothing about a GPU, and their accuracy is the exact
+float64 answer, not what a GPU kernel computes (one-level accumulation, e4m3 rounding of P).
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpolicy.errors import InputError, PolicyError
-from kvpolicy.runtime.results import BenchFit, BenchResult
+from kvpolicy.runtime.results import BenchFit, BenchResult, Environment
+
+if TYPE_CHECKING:
+    from kvpolicy.runtime.verify import VerifyResult
+
+MIN_RECORDED_RECOVERY = 0.001
+"""A recovery of 0 (the format lost every needle) is recorded as this: the evidence schema takes values > 0."""
 
 NEW_POLICY = """\
-# Measured decode-latency evidence, written by `kvpolicy bench --record`.
-# Use it with `kvpolicy recommend --policy {name}`: for a model and GPU measured
-# here, the slope ratio and break-even estimates are labelled measured, and the
-# dtype rules' break-even facts follow these numbers instead of the studies'.
+# Measured evidence, written by `kvpolicy bench --record` (decode latency) and
+# `kvpolicy verify --record` (needle recovery). Use it with
+# `kvpolicy recommend --policy {name}`: for a model and GPU measured here, the slope
+# ratio, break-even and accuracy estimates are labelled measured, and the dtype
+# rules' facts follow these numbers instead of the studies'.
 version: 1
 name: measured-itl
-description: Built-in policy plus ITL lines measured on our own GPUs.
+description: Built-in policy plus ITL lines and accuracy measured on our own GPUs.
 extends: builtin:default
 """
 
 
+def _slug(s: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", s.lower()).strip("-.") or "x"
+
+
 def evidence_id(model: str, gpu: str) -> str:
     """Evidence id of a recorded bench: `bench-itl-<model>-<gpu>`."""
-    def slug(s: str) -> str:
-        return re.sub(r"[^a-z0-9.]+", "-", s.lower()).strip("-.") or "x"
+    return f"bench-itl-{_slug(model)}-{_slug(gpu)}"
 
-    return f"bench-itl-{slug(model)}-{slug(gpu)}"
+
+def verify_evidence_id(model: str, gpu: str) -> str:
+    """Evidence id of a recorded verify: `verify-needle-<model>-<gpu>`."""
+    return f"verify-needle-{_slug(model)}-{_slug(gpu)}"
+
+
+def refuse_reference_run(env: Environment, command: str, gpu: str) -> None:
+    """InputError unless `env` ran the GPU kernels: CPU reference runs never become evidence for a GPU."""
+    if env.backend != "triton":
+        raise InputError(
+            f"{command} --record: this run used the CPU torch references ({env.device}), not the kernels on "
+            f"`{gpu}`. Their {'timings' if command.endswith('bench') else 'accuracy (the exact float64 answer)'} "
+            f"say nothing about that GPU, and recorded evidence is what `recommend` treats as measured there. "
+            "Run it on the GPU (--device cuda), or drop --record; nothing was recorded.")
 
 
 def _sig(x: float) -> float:
@@ -63,6 +92,7 @@ def recorded_fits(result: BenchResult) -> tuple[int, dict[str, BenchFit]]:
 
 def evidence_entry(result: BenchResult) -> dict[str, Any]:
     """The evidence item (plain data) for a bench result."""
+    refuse_reference_run(result.environment, "kvpolicy bench", result.gpu)
     batch, fits = recorded_fits(result)
     env = result.environment
     base = fits["bf16"]
@@ -112,6 +142,83 @@ def record_bench(result: BenchResult, path: Path) -> str:
             variants[key] = m
         itl["variants"] = variants
         node["itl"] = itl
+        for i, item in enumerate(items):
+            if isinstance(item, dict) and item.get("id") == entry["id"]:
+                items[i] = node
+                return
+        items.append(node)
+
+    update_policy_file(path, mutate)
+    return entry["id"]
+
+
+def verify_entry(result: VerifyResult) -> dict[str, Any]:
+    """The evidence item (plain data) for a verify result: per candidate dtype (the plain variants: two-level,
+    uncalibrated, what the studies' figures describe), one recovery per context measured, each the lowest
+    recovery at that context or any shorter one, scoped to the model and GPU."""
+    refuse_reference_run(result.environment, "kvpolicy verify", result.gpu)
+    env = result.environment
+    # +one_level is a diagnostic and +per_head/+per_tensor a remedy: neither is the format as vLLM runs it
+    plain = {p.variant for p in result.points if "+" not in p.variant}
+    recovery: list[dict[str, Any]] = []
+    words = []
+    for dtype, name in _plain_dtypes(result, plain):
+        pts = sorted((p.context_tokens, p.recovery) for p in result.points
+                     if p.variant == name and p.recovery is not None)
+        low = None
+        for ctx, rec in pts:
+            low = rec if low is None else min(low, rec)
+            recovery.append({"dtype": dtype, "value": round(max(low, MIN_RECORDED_RECOVERY), 4),
+                             "max_context_tokens": ctx, "model": result.model, "gpu": result.gpu})
+        if pts:
+            words.append(f"{name} " + " / ".join(f"{r:.1%}" for _, r in pts))
+    if not recovery:
+        raise InputError("verify --record: no candidate format beside BF16 has a recovery to record (compare one, "
+                         "e.g. --compare fp8).")
+    ctx_words = ", ".join(f"{c:,}" for c in result.contexts)
+    statement = (f"kvpolicy verify, {result.model} layer geometry on {env.device}, batch {result.batch}, needle "
+                 f"recovery vs BF16 at {ctx_words} tokens: {'; '.join(words)}.")
+    source = (f"kvpolicy verify --record, {env.date}, {env.device} ({env.backend}), kvpolicy {env.kvpolicy_version} "
+              f"commit {env.commit}, torch {env.torch_version}, triton {env.triton_version or 'none'}")
+    return {"id": verify_evidence_id(result.model, result.gpu), "statement": statement, "source": source,
+            "recovery": recovery}
+
+
+def _plain_dtypes(result: VerifyResult, plain: set[str]) -> list[tuple[str, str]]:
+    """(vLLM dtype, variant name) of the plain candidates, BF16 left out."""
+    from kvpolicy.facts.formats import FORMATS
+    from kvpolicy.runtime.variants import parse_variant
+
+    out = []
+    for name in dict.fromkeys(p.variant for p in result.points):
+        if name not in plain:
+            continue
+        v = parse_variant(name)
+        if FORMATS[v.kv_cache_dtype].kind != "bf16":
+            out.append((v.kv_cache_dtype, name))
+    return out
+
+
+def record_verify(result: VerifyResult, path: Path) -> str:
+    """Write (or replace) the verify's recovery evidence in the policy file at `path`; returns the evidence id."""
+    entry = verify_entry(result)
+
+    def mutate(doc: Any) -> None:
+        from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+        items = doc.get("evidence")
+        if not isinstance(items, list):
+            items = CommentedSeq()
+            doc["evidence"] = items
+        node = CommentedMap()
+        for k in ("id", "statement", "source"):
+            node[k] = entry[k]
+        recs = CommentedSeq()
+        for r in entry["recovery"]:
+            m = CommentedMap(r)
+            m.fa.set_flow_style()
+            recs.append(m)
+        node["recovery"] = recs
         for i, item in enumerate(items):
             if isinstance(item, dict) and item.get("id") == entry["id"]:
                 items[i] = node

@@ -22,7 +22,6 @@ from kvpolicy.runtime.caches import (
     LayerCache,
     LayerPlan,
     allocate,
-    gluon_available,
     pages_per_sequence,
     plan_layers,
     slots_for,
@@ -85,7 +84,7 @@ class DecodeStep:
         """Layer indices per path: triton, gluon (FP8 and TurboQuant on Hopper), reference, no-cache (linear)."""
         out: dict[str, list[int]] = {}
         for p in self.plans:
-            path = p.kernel_path(self.backend, gluon_available(self.device)) if p.attends else "none (linear)"
+            path = ops.layer_path(p, self.backend, self.device, self.variant.two_level) if p.attends else "none (linear)"
             out.setdefault(path, []).append(p.index)
         return out
 

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from kvpolicy.kernels import launch
 from kvpolicy.kernels.decode_attention import DecodeConfig, decode_attention
 from kvpolicy.kernels.paged_store import allocate_cache, compute_kv_scales
 from kvpolicy.kernels.reference import ref_decode_attention, ref_store_kv
@@ -147,8 +148,9 @@ def test_two_level_toggle_is_the_same_function(device: str) -> None:
     case = make_case(device, [300], 4, 1, 64, "fp8", per_head=False, value_offset=1.0)
     on = decode_attention(**case, two_level=True, num_splits=1)
     off = decode_attention(**case, two_level=False, num_splits=1)
-    # Both round P to e4m3 identically; only accumulation order/precision differs.
-    assert rel_err(off.float(), on.double()) < (1e-6 if INTERPRET else 5e-3)
+    # Both round P to e4m3 identically; only accumulation order/precision differs (off: the fp8 MMA's
+    # accumulator, a few hundred positions are not yet enough to lose much).
+    assert rel_err(off.float(), on.double()) < (1e-6 if INTERPRET else 3e-2)
 
 
 def test_splits_agree(device: str) -> None:
@@ -251,6 +253,9 @@ def test_gpu_two_level_bounds_long_context_error(device: str, config: str) -> No
     print(f"two-level errors ({config}):", {k: f"{v:.2e}" for k, v in errs.items()})
     assert errs[131072, True] <= 2 * errs[4096, True]
     assert errs[131072, True] < 1e-2
+    if torch.cuda.get_device_capability() == (9, 0):
+        # one level is FA3's form: e4m3 P.V carried in Hopper's fp8 wgmma loses the long sum
+        assert errs[131072, False] > 10 * errs[131072, True] and errs[131072, False] > 0.05
 
 
 @pytest.mark.gpu
@@ -333,7 +338,15 @@ def test_split_count_fills_whole_waves(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [launch.split_count(b, 8, 131072, 64, 5.0, gpu, waves=()) for b in (8, 1)] == [8, 64]
 
 
-def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def fresh_residency():
+    """Residency is cached per device: patched device properties must not leak into later tests."""
+    launch._resident.cache_clear()
+    yield
+    launch._resident.cache_clear()
+
+
+def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch, fresh_residency: None) -> None:
     """The split heuristic's wave size: 4 FP8 / 3 BF16 programs per SM on Hopper (228 KB of shared memory
     per SM, as the H200 sweeps found), fewer where shared memory is smaller (A100 164 KB, L40S 100 KB)."""
     from types import SimpleNamespace
@@ -346,6 +359,7 @@ def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> No
     def wave(smem_per_sm: int, head_dim: int, fp8: bool) -> float:
         props = SimpleNamespace(shared_memory_per_multiprocessor=smem_per_sm, max_threads_per_multi_processor=2048)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+        launch._resident.cache_clear()  # residency is cached per device: ask the patched properties
         return da.programs_per_sm(head_dim, fp8, gpu)
 
     hopper, ampere, ada = 233472, 167936, 102400
@@ -354,7 +368,8 @@ def test_resident_programs_follow_the_gpu(monkeypatch: pytest.MonkeyPatch) -> No
     assert wave(ada, 128, True) == 1 and wave(ada, 128, False) == 1
 
 
-def test_gluon_residency_counts_the_padded_producer_warpgroup(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gluon_residency_counts_the_padded_producer_warpgroup(monkeypatch: pytest.MonkeyPatch,
+                                                               fresh_residency: None) -> None:
     """The Gluon kernel launches 8 warps (its one producer warp padded to a warpgroup): at 128 registers two
     programs fit an SM's 64K registers, whatever shared memory allows."""
     from types import SimpleNamespace

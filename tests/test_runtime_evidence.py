@@ -39,9 +39,13 @@ def _verify(fp8: dict[int, float], env: Environment = GPU_ENV, gpu: str = "h200"
 
 
 def _recovery(policy: str, gpu: str = "h200", context: str = "128k"):
+    """The FP8 recovery estimate the engine works from for llama-3.1-8b on `gpu` (the rules read it whatever
+    they decide: below the floor they move off uncalibrated FP8)."""
+    from kvpolicy.facts.estimates import recovery
+
     loaded = load_policy(policy)
-    rec = recommend(resolve_model("llama-3.1-8b"), resolve_gpu(gpu), make_workload(loaded, context=context), loaded)
-    return rec.estimates.accuracy_recovery
+    wl = make_workload(loaded, context=context)
+    return recovery(loaded.policy, "fp8", wl.context_tokens, resolve_model("llama-3.1-8b"), resolve_gpu(gpu))
 
 
 def test_recorded_recoveries_are_measured_for_that_model_and_gpu_only(tmp_path):
@@ -56,6 +60,10 @@ def test_recorded_recoveries_are_measured_for_that_model_and_gpu_only(tmp_path):
     est = _recovery(str(path), context="100k")
     assert est.provenance == "measured" and est.value == 0.91 and rid in est.basis
     assert _recovery(str(path), context="32k").value == 0.99
+    # the measured 0.91 is below the 0.95 floor: the engine moves off uncalibrated FP8 at 100k
+    loaded = load_policy(str(path))
+    rec = recommend(resolve_model("llama-3.1-8b"), resolve_gpu("h200"), make_workload(loaded, context="100k"), loaded)
+    assert (rec.decision.kv_cache_dtype, rec.decision.scale_source) != ("fp8", "uncalibrated")
     # another GPU keeps the studies' figure
     assert rid not in _recovery(str(path), gpu="h100", context="32k").basis
     # a second run replaces the entry

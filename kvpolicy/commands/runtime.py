@@ -53,7 +53,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                          "--policy policies/measured.yaml")
     else:
         parser.add_argument("--batch", "-b", type=positive_int("--batch"), default=None,
-                            help="sequences per context (default 4 on a GPU, 2 on the CPU)")
+                            help="sequences per context (default: as many as --trials needs)")
+        parser.add_argument("--trials", type=positive_int("--trials"), default=None,
+                            help="needle trials per context and layer geometry (sequences x query heads; default: "
+                                 "enough for a 95%% interval to decide a format 3 points from the floor, 207 at 95%%)")
         parser.add_argument("--accuracy-floor", type=unit_float("--accuracy-floor"), default=None,
                             help="recovery below this fails (default: the policy's, 0.95)")
         parser.add_argument("--text", type=Path, default=None,
@@ -258,17 +261,19 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
         if (v.kv_cache_dtype, v.two_level, v.scale_source) not in seen:
             seen.add((v.kv_cache_dtype, v.two_level, v.scale_source))
             variants.append(v)
-    batch = args.batch or (4 if backend == "triton" else 2)
-    total = len(variants) * len(contexts)
+    from kvpolicy.runtime.needle import geometry_plans
+
+    total = len(variants) * sum(len({min(c, g.window) if g.window else c for c in contexts})
+                                for g in geometry_plans(arch))
     with _progress(total, "verify") as progress:
         task = progress.add_task("", total=total)
 
         def step(desc: str) -> None:
             progress.update(task, advance=1, description=desc)
 
-        result = run_verify(arch, gpu, rec.decision, variants, contexts, batch, device, backend,
+        result = run_verify(arch, gpu, rec.decision, variants, contexts, args.batch, device, backend,
                             accuracy_floor=rec.workload.accuracy_floor, policy_label=loaded.label,
-                            on_point=step, seed=args.seed)
+                            on_point=step, seed=args.seed, trials=args.trials)
     _model_check(args, arch, variants, device, backend, result)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"verify-{arch.id}-{gpu.id}.json"
@@ -306,27 +311,44 @@ def _model_check(args: argparse.Namespace, arch: Any, variants: list[Any], devic
     result.model_check_note = note
 
 
+def _needle_cell(p: Any) -> str:
+    if p.recovery is None:
+        return f"{p.hits}/{p.trials}"
+    if p.recovery_low is None:
+        return f"{p.recovery:.1%} ({p.hits}/{p.trials}) err {p.out_rel_error:.1e}"
+    return (f"{p.recovery:.1%} [{p.recovery_low:.1%}, {p.recovery_high:.1%}] ({p.kept}/{p.bf16_hits}) "
+            f"err {p.out_rel_error:.1e}")
+
+
 def _print_verify(result: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     env, g = result.environment, result.geometry
-    console.print(f"[bold]{result.model}[/] needle test on [bold]{env.device}[/] ({env.backend}): layer "
-                  f"{g['layer']} ({g['kind']}, {g['num_q_heads']} query heads, {g['num_kv_heads']} KV heads, "
-                  f"head_dim {g['head_dim']}), {result.batch} sequences per context")
-    table = Table(title="needle recovery vs BF16 (hits / trials; output error vs float64)")
-    table.add_column("variant")
-    for c in result.contexts:
-        table.add_column(f"{c // 1024}k" if c % 1024 == 0 else str(c), justify="right")
-    for name in dict.fromkeys(p.variant for p in result.points):
-        row = [name]
-        for c in result.contexts:
-            p = next((p for p in result.points if p.variant == name and p.context_tokens == c), None)
-            row.append("-" if p is None else f"{p.recovery:.1%} ({p.hits}/{p.trials}) err {p.out_rel_error:.1e}")
-        table.add_row(*row)
-    console.print(table)
-    colors = {"pass": "green", "calibrate": "yellow", "keep_bf16": "red", "not_applicable": "dim"}
+    labels = [str(x.get("label", "")) for x in result.geometries] or [""]
+    geo_text = "; ".join(labels) if labels != [""] else (
+        f"layer {g['layer']} ({g['kind']}, {g['num_q_heads']} query heads, {g['num_kv_heads']} KV heads, "
+        f"head_dim {g['head_dim']})")
+    console.print(f"[bold]{result.model}[/] needle test on [bold]{env.device}[/] ({env.backend}): {geo_text}; "
+                  f"{result.trials_per_context or result.batch} trials per context")
+    for label in labels:
+        points = [p for p in result.points if p.geometry == label or label == ""]
+        contexts = sorted({p.context_tokens for p in points})
+        table = Table(title="needle recovery vs BF16 [95% interval] (kept / BF16 hits; output error vs float64)"
+                      + (f": {label}" if label else ""))
+        table.add_column("variant")
+        for c in contexts:
+            table.add_column(f"{c // 1024}k" if c % 1024 == 0 else str(c), justify="right")
+        for name in dict.fromkeys(p.variant for p in points):
+            row = [name]
+            for c in contexts:
+                p = next((p for p in points if p.variant == name and p.context_tokens == c), None)
+                row.append("-" if p is None else _needle_cell(p))
+            table.add_row(*row)
+        console.print(table)
+    colors = {"pass": "green", "calibrate": "yellow", "keep_bf16": "red", "undecided": "magenta",
+              "not_applicable": "dim"}
     for v in result.verdicts:
         console.print(f"[{colors.get(v.verdict, 'white')}]{v.verdict}[/] {v.variant}: {v.reason}")
     if result.model_check:

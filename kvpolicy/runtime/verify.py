@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 from dataclasses import replace
 
 import torch
@@ -332,4 +333,87 @@ def verdicts(result: VerifyResult, variants: list[Variant], plans: dict) -> list
                 reason=f"recovery {rec:.1%}{ci} {where} < floor {floor:.0%}"
                        + ("; calibrated scales do not reach it either" if v.kind == "fp8" else "")
                        + ": keep BF16 (or a format that passes)"))
+    return out
+
+
+MODEL_THRESHOLDS = {"min_top1_agreement": "model_min_top1_agreement", "max_kl_mean": "model_max_kl_mean",
+                    "max_kl_p99": "model_max_kl_p99", "max_ppl_increase": "model_max_ppl_increase"}
+"""ModelThresholds field -> the policy threshold that sets it."""
+
+
+def model_thresholds(policy: Any) -> ModelThresholds:
+    """The policy's `model_*` thresholds (ModelThresholds' defaults where a policy leaves one out)."""
+    from kvpolicy.inputs.policy_schema import resolve_threshold
+
+    values = {field: resolve_threshold(policy, name, {}) for field, name in MODEL_THRESHOLDS.items()}
+    return ModelThresholds(**{k: v for k, v in values.items() if v is not None})
+
+
+def _model_side(c: ModelCheck, t: ModelThresholds) -> tuple[str, list[str]]:
+    """`above` / `below` / `undecided` for one format's model-level figures, and the figures that fail."""
+    fails = []
+    if c.kl_mean > t.max_kl_mean:
+        fails.append(f"mean KL {c.kl_mean:.3g} > {t.max_kl_mean:g}")
+    if c.kl_p99 is not None and c.kl_p99 > t.max_kl_p99:
+        fails.append(f"p99 KL {c.kl_p99:.3g} > {t.max_kl_p99:g}")
+    if c.ppl_delta is not None and c.ppl_delta > t.max_ppl_increase:
+        fails.append(f"perplexity {c.ppl_delta:+.1%} > +{t.max_ppl_increase:.0%}")
+    agree = side(round(c.agreement * c.tokens), c.tokens, t.min_top1_agreement)
+    if agree == "below":
+        fails.append(f"top-1 agreement < {t.min_top1_agreement:.0%}")
+    if fails:
+        return "below", fails
+    return agree, []
+
+
+def model_verdicts(checks: list[ModelCheck], needle: list[VariantVerdict], variants: list[Variant],
+                   thresholds: ModelThresholds) -> list[VariantVerdict]:
+    """Verdicts from the model's own next-token figures (they decide; the needle verdict is kept beside them).
+
+    Pass when every figure is within its threshold and the agreement's 95% interval lies above its minimum;
+    below when any figure fails (an FP8 format whose per-head twin passes: calibrate; else keep BF16);
+    undecided when only the agreement interval straddles its minimum, with the tokens that would decide it.
+    """
+    by_check = {c.variant: c for c in checks}
+    by_needle = {v.variant: v for v in needle}
+    sides = {name: _model_side(c, thresholds) for name, c in by_check.items()}
+    out: list[VariantVerdict] = []
+    for v in variants[1:]:
+        c = by_check.get(v.name)
+        nv = by_needle.get(v.name)
+        if c is None:
+            if nv is not None:
+                out.append(nv)
+            continue
+        s, fails = sides[v.name]
+        ci = fmt_interval(c.agreement_low or 0.0, c.agreement_high or 1.0)
+        figures = (f"top-1 agreement {c.agreement:.1%} (95% CI {ci}), mean KL {c.kl_mean:.3g}, "
+                   f"p99 KL {c.kl_p99 or 0.0:.3g}"
+                   + (f", perplexity {c.ppl_delta:+.1%}" if c.ppl_delta is not None else "")
+                   + f" over {c.tokens} tokens")
+        common = dict(variant=v.name, min_recovery=nv.min_recovery if nv else None,
+                      worst_context_tokens=nv.worst_context_tokens if nv else None, recovery_low=c.agreement_low,
+                      recovery_high=c.agreement_high, basis="model", needle_verdict=nv.verdict if nv else None)
+        if s == "above":
+            out.append(VariantVerdict(**common, verdict="pass", reason=f"{figures}: all within the policy's model "
+                                      "thresholds"))
+        elif s == "undecided":
+            need = trials_to_decide(c.agreement, thresholds.min_top1_agreement)
+            out.append(VariantVerdict(
+                **common, verdict="undecided", trials_to_decide=need,
+                reason=f"{figures}: the agreement interval straddles {thresholds.min_top1_agreement:.0%}; "
+                       + (f"about {need:,} tokens would decide it (--tokens {need})" if need else
+                          "it sits on the threshold")))
+        else:
+            twin = next((t for t in variants if t.kind == "fp8" and t.kv_cache_dtype == v.kv_cache_dtype
+                         and t.two_level == v.two_level and t.scale_source == "checkpoint_per_head"), None)
+            if v.kind == "fp8" and v.scale_source == "uncalibrated" and twin is not None \
+                    and sides.get(twin.name, ("", []))[0] == "above":
+                out.append(VariantVerdict(**common, verdict="calibrate",
+                                          reason=f"{figures}; {'; '.join(fails)}; per-head scales pass: calibrate "
+                                                 "(llm-compressor, per-attention-head scales)"))
+            else:
+                out.append(VariantVerdict(**common, verdict="keep_bf16",
+                                          reason=f"{figures}; {'; '.join(fails)}: keep BF16 (or a format that "
+                                                 "passes)"))
     return out

@@ -120,14 +120,15 @@ class ModelCheck(_Model):
 class ModelThresholds(_Model):
     """What a format must meet at model level (the policy's `model_*` thresholds)."""
 
-    min_top1_agreement: float = 0.90
+    min_top1_agreement: float
     """Lowest top-1 agreement with BF16 (its 95% interval must lie above it to pass)."""
-    max_kl_mean: float = 0.03
+    max_kl_mean: float
     """Highest mean KL(BF16 || format), nats."""
-    max_kl_p99: float = 0.5
+    max_kl_p99: float
     """Highest 99th-percentile KL, nats."""
-    max_ppl_increase: float = 0.05
+    max_ppl_increase: float
     """Highest relative perplexity increase over BF16."""
+
 
 class VerifyResult(_Model):
     """Everything `kvpolicy verify` measured."""
@@ -342,11 +343,17 @@ MODEL_THRESHOLDS = {"min_top1_agreement": "model_min_top1_agreement", "max_kl_me
 
 
 def model_thresholds(policy: Any) -> ModelThresholds:
-    """The policy's `model_*` thresholds (ModelThresholds' defaults where a policy leaves one out)."""
+    """The policy's `model_*` thresholds (the built-in policy's where a policy leaves one out)."""
     from kvpolicy.inputs.policy_schema import resolve_threshold
 
     values = {field: resolve_threshold(policy, name, {}) for field, name in MODEL_THRESHOLDS.items()}
-    return ModelThresholds(**{k: v for k, v in values.items() if v is not None})
+    if any(v is None for v in values.values()):  # a policy that does not extend the built-in one
+        from kvpolicy.rules.validate import load_policy
+
+        builtin = load_policy(None).policy
+        values = {f: v if v is not None else resolve_threshold(builtin, MODEL_THRESHOLDS[f], {})
+                  for f, v in values.items()}
+    return ModelThresholds(**values)
 
 
 def _model_side(c: ModelCheck, t: ModelThresholds) -> tuple[str, list[str]]:

@@ -59,13 +59,17 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                          "--policy policies/measured.yaml")
     else:
         parser.add_argument("--batch", "-b", type=positive_int("--batch"), default=None,
-                            help="sequences per context (default 4 on a GPU, 2 on the CPU)")
+                            help="sequences per context (default: as many as --trials needs)")
+        parser.add_argument("--trials", type=positive_int("--trials"), default=None,
+                            help="needle trials per context and layer geometry (sequences x query heads; default: "
+                                 "enough for a 95%% interval to decide a format 3 points from the floor, 207 at 95%%)")
         parser.add_argument("--accuracy-floor", type=unit_float("--accuracy-floor"), default=None,
                             help="recovery below this fails (default: the policy's, 0.95)")
         parser.add_argument("--text", type=Path, default=None,
                             help="text for the model-level check (needs a tokenizer in the model folder)")
         parser.add_argument("--tokens", type=positive_int("--tokens"), default=None,
-                            help="tokens of text for the model-level check (default 512 on a GPU, 64 on the CPU)")
+                            help="tokens of text for the model-level check (default 512; the text defaults to Python's "
+                                 "pydoc help topics)")
         parser.epilog = "Example: kvpolicy verify --model gpt-oss-20b --compare turboquant_4bit_nc"
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -273,14 +277,14 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
     from kvpolicy.runtime.variants import cache_layout, variant_list
     from kvpolicy.runtime.verify import run_verify, with_calibrated_twins
 
-    # The needle runs on a full-attention layer, where skip-layer variants store the same format as their
-    # plain twin: one run per distinct (format, switches).
+    # One run per distinct (format, switches); skip-sliding variants differ only where there are sliding layers.
+    sliding = bool(arch.count("sliding"))
     variants, seen = [], set()
     for v in with_calibrated_twins(variant_list(rec.decision, compare, cache_layout(rec.decision, gpu.generation))):
-        if (v.kv_cache_dtype, v.two_level, v.scale_source) not in seen:
-            seen.add((v.kv_cache_dtype, v.two_level, v.scale_source))
+        key = (v.kv_cache_dtype, v.two_level, v.scale_source, v.skip_layers if sliding else ())
+        if key not in seen:
+            seen.add(key)
             variants.append(v)
-    batch = args.batch or (4 if backend == "triton" else 2)
     self_compare = None
     if all(FORMATS[v.kv_cache_dtype].kind == "bf16" for v in variants):
         # The decision is BF16 at these contexts (always so at the CPU's short defaults): no verdict can come.
@@ -288,19 +292,25 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
                         f"(kv-cache-dtype {rec.decision.kv_cache_dtype}), so this run compares BF16 with itself and "
                         "gives no verdict. Add --compare fp8 (or turboquant_4bit_nc, ...) to test a quantized format.")
         sys.stderr.write(f"kvpolicy verify: note: {self_compare}\n")
-    total = len(variants) * len(contexts)
+    from kvpolicy.runtime.needle import geometry_plans
+
+    source = _model_source(args, backend)
+    total = len(variants) * sum(len({min(c, g.window) if g.window else c for c in contexts})
+                                for g in geometry_plans(arch))
+    if source is not None:
+        total += len(variants) + 2  # load, the model's own attention, one forward per variant
     with _progress(total, "verify") as progress:
         task = progress.add_task("", total=total)
 
         def step(desc: str) -> None:
             progress.update(task, advance=1, description=desc)
 
-        result = run_verify(arch, gpu, rec.decision, variants, contexts, batch, device, backend,
+        result = run_verify(arch, gpu, rec.decision, variants, contexts, args.batch, device, backend,
                             accuracy_floor=rec.workload.accuracy_floor, policy_label=loaded.label,
-                            on_point=step, seed=args.seed)
+                            on_point=step, seed=args.seed, trials=args.trials)
+        _model_check(args, arch, variants, device, backend, result, source, loaded, step)
     if self_compare:
         result.warnings.append(self_compare)
-    _model_check(args, arch, variants, device, backend, result)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"verify-{arch.id}-{gpu.id}.json"
     json_path.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
@@ -320,29 +330,52 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
     return 0
 
 
-def _model_check(args: argparse.Namespace, arch: Any, variants: list[Any], device: Any, backend: str,
-                 result: Any) -> None:
+def _model_source(args: argparse.Namespace, backend: str) -> Path | None:
+    """The folder or .gguf file the model-level check loads (None: no weights, or no transformers)."""
     from kvpolicy.runtime.hfcheck import has_weights
 
-    folder = Path(args.model).expanduser()
-    if folder.is_file():
-        folder = folder.parent
-    if not has_weights(folder):
-        result.model_check_note = ("skipped: --model is not a local Hugging Face folder with weights "
-                                   "(pass one, with transformers installed, for next-token agreement and KL)")
-        return
+    path = Path(args.model).expanduser()
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        path = path.parent
+    if not has_weights(path):
+        return None
     try:
         import transformers  # noqa: F401
     except ImportError:
-        result.model_check_note = "skipped: transformers is not installed (pip install transformers)"
+        return None
+    return path
+
+
+def _model_check(args: argparse.Namespace, arch: Any, variants: list[Any], device: Any, backend: str,
+                 result: Any, source: Path | None, loaded: Any, step: Any) -> None:
+    from kvpolicy.runtime.hfcheck import has_weights
+
+    if source is None:
+        path = Path(args.model).expanduser()
+        result.model_check_note = (
+            "skipped: transformers is not installed (pip install transformers)" if has_weights(path) else
+            "skipped: --model is not a local Hugging Face folder with weights or a .gguf file (pass one, with "
+            "transformers installed, for next-token agreement, KL and perplexity)")
         return
     from kvpolicy.runtime.hfcheck import run_model_check
+    from kvpolicy.runtime.verify import model_thresholds, model_verdicts
 
-    tokens = args.tokens or (512 if backend == "triton" else 64)
-    checks, note = run_model_check(folder, arch, [v for v in variants], device, backend, args.text, tokens,
-                                   args.seed)
+    tokens = args.tokens or 512
+    checks, note = run_model_check(source, arch, list(variants), device, backend, args.text, tokens, args.seed,
+                                   on_step=step)
     result.model_check = checks
     result.model_check_note = note
+    result.model_thresholds = model_thresholds(loaded.policy)
+    result.verdicts = model_verdicts(checks, result.verdicts, variants, result.model_thresholds)
+
+
+def _needle_cell(p: Any) -> str:
+    if p.recovery is None:
+        return f"{p.hits}/{p.trials}"
+    if p.recovery_low is None:
+        return f"{p.recovery:.1%} ({p.hits}/{p.trials}) err {p.out_rel_error:.1e}"
+    return (f"{p.recovery:.1%} [{p.recovery_low:.1%}, {p.recovery_high:.1%}] ({p.kept}/{p.bf16_hits}) "
+            f"err {p.out_rel_error:.1e}")
 
 
 def _print_verify(result: Any) -> None:
@@ -351,30 +384,48 @@ def _print_verify(result: Any) -> None:
 
     console = Console()
     env, g = result.environment, result.geometry
-    console.print(f"[bold]{result.model}[/] needle test on [bold]{env.device}[/] ({env.backend}): layer "
-                  f"{g['layer']} ({g['kind']}, {g['num_q_heads']} query heads, {g['num_kv_heads']} KV heads, "
-                  f"head_dim {g['head_dim']}), {result.batch} sequence{'s' * (result.batch != 1)} per context")
-    table = Table(title="needle recovery vs BF16 (hits / trials; output error vs float64)")
-    table.add_column("variant")
-    for c in result.contexts:
-        table.add_column(f"{c // 1024}k" if c % 1024 == 0 else str(c), justify="right")
-    for name in dict.fromkeys(p.variant for p in result.points):
-        row = [name]
-        for c in result.contexts:
-            p = next((p for p in result.points if p.variant == name and p.context_tokens == c), None)
-            row.append("-" if p is None else f"{p.recovery:.1%} ({p.hits}/{p.trials}) err {p.out_rel_error:.1e}")
-        table.add_row(*row)
-    console.print(table)
-    colors = {"pass": "green", "calibrate": "yellow", "keep_bf16": "red", "not_applicable": "dim"}
-    for v in result.verdicts:
-        console.print(f"[{colors.get(v.verdict, 'white')}]{v.verdict}[/] {v.variant}: {v.reason}")
+    labels = [str(x.get("label", "")) for x in result.geometries] or [""]
+    geo_text = "; ".join(labels) if labels != [""] else (
+        f"layer {g['layer']} ({g['kind']}, {g['num_q_heads']} query heads, {g['num_kv_heads']} KV heads, "
+        f"head_dim {g['head_dim']})")
+    console.print(f"[bold]{result.model}[/] needle test on [bold]{env.device}[/] ({env.backend}): {geo_text}; "
+                  f"{result.trials_per_context or result.batch} trials per context")
+    for label in labels:
+        points = [p for p in result.points if p.geometry == label or label == ""]
+        contexts = sorted({p.context_tokens for p in points})
+        table = Table(title="needle recovery vs BF16 [95% interval] (kept / BF16 hits; output error vs float64)"
+                      + (f": {label}" if label else ""))
+        table.add_column("variant")
+        for c in contexts:
+            table.add_column(f"{c // 1024}k" if c % 1024 == 0 else str(c), justify="right")
+        for name in dict.fromkeys(p.variant for p in points):
+            row = [name]
+            for c in contexts:
+                p = next((p for p in points if p.variant == name and p.context_tokens == c), None)
+                row.append("-" if p is None else _needle_cell(p))
+            table.add_row(*row)
+        console.print(table)
+    colors = {"pass": "green", "calibrate": "yellow", "keep_bf16": "red", "undecided": "magenta",
+              "not_applicable": "dim"}
     if result.model_check:
-        t = Table(title="model-level check: next-token agreement and KL vs the BF16 cache")
-        for col in ("variant", "tokens", "agreement", "KL mean", "KL max"):
+        t = Table(title="model-level check vs the BF16 cache: top-1 agreement [95% interval], KL (nats), perplexity")
+        for col in ("variant", "tokens", "agreement", "KL mean", "KL p99", "KL max", "perplexity"):
             t.add_column(col, justify="left" if col == "variant" else "right")
         for m in result.model_check:
-            t.add_row(m.variant, str(m.tokens), f"{m.agreement:.1%}", f"{m.kl_mean:.3g}", f"{m.kl_max:.3g}")
+            agree = f"{m.agreement:.1%}" + (f" [{m.agreement_low:.1%}, {m.agreement_high:.1%}]"
+                                            if m.agreement_low is not None else "")
+            t.add_row(m.variant, str(m.tokens), agree, f"{m.kl_mean:.3g}",
+                      "-" if m.kl_p99 is None else f"{m.kl_p99:.3g}", f"{m.kl_max:.3g}",
+                      "-" if m.ppl_delta is None else f"{m.ppl_delta:+.2%}")
         console.print(t)
     console.print(f"model-level check: {result.model_check_note}")
+    if result.model_thresholds is not None:
+        th = result.model_thresholds
+        console.print(f"verdicts from the model (policy thresholds): top-1 agreement >= {th.min_top1_agreement:.0%} "
+                      f"(95% interval), mean KL <= {th.max_kl_mean:g}, p99 KL <= {th.max_kl_p99:g}, perplexity <= "
+                      f"+{th.max_ppl_increase:.0%}")
+    for v in result.verdicts:
+        beside = f" [dim](needle test: {v.needle_verdict})[/]" if v.basis == "model" and v.needle_verdict else ""
+        console.print(f"[{colors.get(v.verdict, 'white')}]{v.verdict}[/] {v.variant}: {v.reason}{beside}")
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {w}")

@@ -107,7 +107,7 @@ def resolve_model(spec: str, *, where: str = "--model", allow_paths: bool = True
             f"{where}: the model name is empty. Name a catalog model (`kvpolicy models` lists them) "
             "or pass the path to a local config.json."
         )
-    explicit_path = allow_paths and (text.startswith(("/", "./", "../", "~")) or text.endswith(".json"))
+    explicit_path = allow_paths and (text.startswith(("/", "./", "../", "~")) or text.endswith((".json", ".gguf")))
     if not explicit_path:
         index = _catalog(CatalogEntry, MODELS_PATH)[1]
         found = index.get(text.lower())
@@ -119,9 +119,11 @@ def resolve_model(spec: str, *, where: str = "--model", allow_paths: bool = True
                          "lists them); local config.json paths are not accepted here.")
     path = Path(text).expanduser()
     if path.exists():
+        from kvpolicy.inputs.gguf import gguf_in, load_gguf
         from kvpolicy.inputs.hfconfig import load_hf_config
 
-        return load_hf_config(path)
+        gguf = path if path.is_file() and path.suffix.lower() == ".gguf" else gguf_in(path)
+        return load_gguf(gguf) if gguf is not None else load_hf_config(path)
     if explicit_path:
         raise InputError(
             f"{where}: `{text}` looks like a path, but no such file or folder exists "

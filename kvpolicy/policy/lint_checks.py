@@ -66,7 +66,8 @@ CHECKS = [
 BY_CODE = {c.code: c for c in CHECKS}
 LOAD_CODES = {"yaml": "KVL001", "schema": "KVL002", "unknown-key": "KVL003", "extends": "KVL004",
               "reference": "KVL005", "io": "KVL006"}
-CODE_THRESHOLDS = {"break_even_tokens", "fp8_slope_overhead", "accuracy_floor"}
+CODE_THRESHOLDS = {"break_even_tokens", "fp8_slope_overhead", "accuracy_floor", "model_min_top1_agreement",
+                   "model_max_kl_mean", "model_max_kl_p99", "model_max_ppl_increase"}
 """Thresholds kvpolicy's estimates and defaults read (besides those rules name)."""
 DECISION_FACT_FIELD = {"decision.kv_cache_dtype": "kv_cache_dtype", "decision.kv_format": "kv_cache_dtype",
                        "decision.vllm_backend": "kv_cache_dtype",

@@ -11,6 +11,8 @@ compared with the model's own attention, which checks the hook.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from kvpolicy.errors import InputError
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.runtime import ops
 from kvpolicy.runtime.caches import LayerPlan, allocate, plan_layers, slots_for
+from kvpolicy.runtime.confidence import wilson
 from kvpolicy.runtime.variants import Variant
 from kvpolicy.runtime.verify import ModelCheck
 
@@ -36,13 +39,41 @@ DEFAULT_TEXT = (
     "of the scientific revolution and the reformation depended on printing, but few doubt that cheap copies "
     "changed who could take part in learning."
 )
-"""Text used when no --text file is given and the folder has a tokenizer."""
+"""Text used when no --text file is given and CPython's `pydoc_data` is missing."""
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+QUERY_CHUNK = 256
+"""Query rows per float64 attention block on the CPU path (bounds its memory at long texts)."""
 
 
 def has_weights(path: Path) -> bool:
-    """True when `path` is a folder holding model weights."""
-    return path.is_dir() and any(next(path.glob(p), None) for p in WEIGHT_PATTERNS)
+    """True when `path` is a folder holding model weights, or a .gguf file (transformers + gguf dequantize it)."""
+    if path.is_file():
+        return path.suffix.lower() == ".gguf"
+    return path.is_dir() and any(next(path.glob(p), None) for p in (*WEIGHT_PATTERNS, "*.gguf"))
+
+
+def model_source(path: Path) -> tuple[Path, str | None]:
+    """(folder, gguf file name or None) that transformers loads the model from."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.parent, path.name
+    if path.is_file():
+        path = path.parent
+    if not any(next(path.glob(p), None) for p in WEIGHT_PATTERNS):
+        from kvpolicy.inputs.gguf import gguf_in
+
+        found = gguf_in(path)
+        if found is not None:
+            return path, found.name
+    return path, None
+
+
+def builtin_text() -> tuple[str, str]:
+    """Real English prose that ships with Python: the help topics of `pydoc_data` (DEFAULT_TEXT without it)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return DEFAULT_TEXT, "the built-in text"
+    return "\n\n".join(topics[k] for k in sorted(topics)), "CPython's pydoc_data help topics"
 
 
 class _State:
@@ -93,10 +124,53 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         cache.k_scale, cache.v_scale = compute_kv_scales(k, v, variant.scale_source != "checkpoint_per_tensor")
     ops.store(cache, k, v, slots, _STATE.backend)
     q = query[0].transpose(0, 1).contiguous()
+    if _STATE.backend == "reference":
+        return causal_reference(cache, plan, q).to(query.dtype).unsqueeze(0), None
     tables = cache.block_tables.expand(t, -1).contiguous()
     seq_lens = torch.arange(1, t + 1, dtype=torch.int32, device=query.device)
     out = ops.decode(cache, plan, q, tables, seq_lens, _STATE.backend, variant.two_level)
     return out.unsqueeze(0), None
+
+
+def causal_reference(cache: Any, plan: LayerPlan, query: torch.Tensor) -> torch.Tensor:
+    """Float64 causal attention over one sequence's stored cache: [T, Hq, D] for query [T, Hq, D].
+
+    The same numbers as T reference decodes of lengths 1..T (the stored tokens dequantize the same
+    whatever the length), with the cache dequantized once: T times less work on the CPU.
+    """
+    fmt = plan.fmt
+    assert fmt is not None
+    t, hq, d = query.shape
+    if fmt.kind == "turboquant":
+        from kvpolicy.kernels.tq_reference import dequantize_slots_ref, gather_cache_ref, slots_from_planar
+
+        packed = cache.key_cache if cache.key_cache.dim() != 3 else slots_from_planar(cache.key_cache, fmt.name, d)
+        k, v = dequantize_slots_ref(gather_cache_ref(packed, cache.block_tables, t, 0), fmt.name, d)
+    else:
+        from kvpolicy.kernels.reference import dequantize_tokens
+
+        k = dequantize_tokens(cache.key_cache, cache.block_tables[0], t, cache.k_scale)
+        v = dequantize_tokens(cache.value_cache, cache.block_tables[0], t, cache.v_scale)
+    k, v = k.to(torch.float64), v.to(torch.float64)
+    hkv = k.shape[1]
+    group = hq // hkv
+    pos = torch.arange(t, device=query.device)
+    out = torch.empty(t, hq, d, dtype=torch.float64, device=query.device)
+    for lo in range(0, t, QUERY_CHUNK):
+        hi = min(lo + QUERY_CHUNK, t)
+        q = query[lo:hi].to(torch.float64).view(hi - lo, hkv, group, d)
+        logits = torch.einsum("tkgd,nkd->kgtn", q, k[:hi]) * plan.sm_scale  # [hkv, group, rows, hi]
+        rows = pos[lo:hi, None]
+        masked = pos[None, :hi] > rows
+        if plan.window:
+            masked |= pos[None, :hi] <= rows - plan.window
+        logits = logits.masked_fill(masked, -math.inf)
+        if cache.sinks is not None:
+            sink = cache.sinks.to(torch.float64).view(hkv, group, 1, 1).expand(hkv, group, hi - lo, 1)
+            logits = torch.cat([logits, sink], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :hi]
+        out[lo:hi] = torch.einsum("kgtn,nkd->tkgd", probs, v[:hi]).reshape(hi - lo, hq, d)
+    return out
 
 
 def _register() -> None:
@@ -112,18 +186,26 @@ def _register() -> None:
 
 
 def load_tokens(folder: Path, text_path: Path | None, max_tokens: int, vocab_size: int,
-                seed: int) -> tuple[torch.Tensor, str]:
-    """Token ids [1, T] of the text (tokenizer in the folder), or seeded random ids when there is no tokenizer."""
+                seed: int, gguf_file: str | None = None) -> tuple[torch.Tensor, str]:
+    """Token ids [1, T] of the text (tokenizer in the folder or the GGUF file), or seeded random ids without one."""
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
     except Exception:  # noqa: BLE001 - no tokenizer files is the common case for test models
         tok = None
     if tok is not None:
-        text = text_path.read_text(encoding="utf-8") if text_path else DEFAULT_TEXT
+        if text_path:
+            try:
+                text, name = text_path.read_text(encoding="utf-8"), f"`{text_path}`"
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InputError(f"--text {text_path}: cannot be read ({exc}). Pass a UTF-8 text file.") from None
+        else:
+            text, name = builtin_text()
         ids = tok(text, return_tensors="pt").input_ids[:, :max_tokens]
-        return ids, f"{ids.shape[1]} tokens of {'`' + str(text_path) + '`' if text_path else 'the built-in text'}"
+        if ids.shape[1] < 2:
+            raise InputError(f"--text {text_path}: it encodes to {ids.shape[1]} token(s); the check needs at least 2.")
+        return ids, f"{ids.shape[1]} tokens of {name}"
     if text_path:
         raise InputError(f"--text {text_path}: {folder} has no tokenizer to encode it.")
     gen = torch.Generator().manual_seed(seed)
@@ -131,23 +213,46 @@ def load_tokens(folder: Path, text_path: Path | None, max_tokens: int, vocab_siz
     return ids, f"{max_tokens} random token ids (no tokenizer in {folder})"
 
 
-def run_model_check(folder: Path, arch: ModelArch, variants: list[Variant], device: torch.device, backend: str,
-                    text_path: Path | None = None, max_tokens: int = 512, seed: int = 0) -> tuple[list[ModelCheck], str]:
-    """Agreement and KL of each variant's cache against the BF16 cache (BF16 against the model's own attention)."""
+def load_model(path: Path, device: torch.device) -> tuple[Any, str | None]:
+    """The transformers model of a folder or .gguf file (GGUF weights dequantized by transformers + gguf)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
+    folder, gguf_file = model_source(path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
-    model = AutoModelForCausalLM.from_pretrained(folder, **{kw: dtype})
-    model = model.to(device).eval()
-    ids, what = load_tokens(folder, text_path, max_tokens, model.config.vocab_size, seed)
+    kw: dict[str, Any] = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}  # renamed in 4.56
+    if gguf_file:
+        try:
+            import gguf  # noqa: F401
+        except ImportError:
+            raise InputError(f"{path}: reading GGUF weights needs the `gguf` package (pip install gguf "
+                             "accelerate).") from None
+        kw["gguf_file"] = gguf_file
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kw)
+    except (ValueError, OSError, ImportError) as exc:
+        raise InputError(f"{path}: transformers cannot load this model ({str(exc).splitlines()[0]}).") from None
+    return model.to(device).eval(), gguf_file
+
+
+def run_model_check(folder: Path, arch: ModelArch, variants: list[Variant], device: torch.device, backend: str,
+                    text_path: Path | None = None, max_tokens: int = 512, seed: int = 0,
+                    on_step: Callable[[str], None] | None = None) -> tuple[list[ModelCheck], str]:
+    """Agreement, KL and perplexity of each variant's cache against the BF16 cache (BF16 against the model's
+    own attention). `on_step` is called after loading and after each forward pass."""
+    model, gguf_file = load_model(folder, device)
+    src, _ = model_source(folder)
+    ids, what = load_tokens(src, text_path, max_tokens, model.config.vocab_size, seed, gguf_file)
     ids = ids.to(device)
+    if on_step:
+        on_step(f"loaded {folder.name}")
     _register()
     stock = model.config._attn_implementation
     with torch.no_grad():
         reference = model(ids, use_cache=False).logits[0].float()
+        if on_step:
+            on_step(f"model's own {stock} attention")
         model.config._attn_implementation = ATTN_NAME
         try:
             logits: dict[str, torch.Tensor] = {}
@@ -155,18 +260,37 @@ def run_model_check(folder: Path, arch: ModelArch, variants: list[Variant], devi
                 _STATE.plans, _STATE.variant = plan_layers(arch, v), v
                 _STATE.backend, _STATE.device = backend, device
                 logits[v.name] = model(ids, use_cache=False).logits[0].float()
+                if on_step:
+                    on_step(v.name)
         finally:
             model.config._attn_implementation = stock
             _STATE.plans = _STATE.variant = None
+    targets = ids[0, 1:]
     base = logits[variants[0].name]
-    checks = [_compare(f"{variants[0].name} (vs the model's own {stock} attention)", reference, base)]
-    checks += [_compare(v.name, base, logits[v.name]) for v in variants[1:]]
-    return checks, f"{folder.name}: {what}, {dtype} weights, on {device.type}"
+    checks = [_compare(f"{variants[0].name} (vs the model's own {stock} attention)", reference, base, targets)]
+    checks += [_compare(v.name, base, logits[v.name], targets) for v in variants[1:]]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return checks, (f"{folder.name}: {what}, {dtype} weights"
+                    + (" (dequantized from GGUF)" if gguf_file else "") + f", on {device.type}")
 
 
-def _compare(name: str, base: torch.Tensor, other: torch.Tensor) -> ModelCheck:
-    logp, logq = torch.log_softmax(base, -1), torch.log_softmax(other, -1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)
-    agree = (base.argmax(-1) == other.argmax(-1)).float().mean()
-    return ModelCheck(variant=name, tokens=base.shape[0], agreement=round(float(agree), 4),
-                      kl_mean=float(f"{float(kl.mean()):.4g}"), kl_max=float(f"{float(kl.max()):.4g}"))
+def _perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """exp(mean next-token NLL) of the text (position i predicts token i + 1)."""
+    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), targets, reduction="mean")
+    return float(torch.exp(nll))
+
+
+def _compare(name: str, base: torch.Tensor, other: torch.Tensor, targets: torch.Tensor | None = None) -> ModelCheck:
+    logp, logq = torch.log_softmax(base.double(), -1), torch.log_softmax(other.double(), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).clamp_min(0.0)
+    same = int((base.argmax(-1) == other.argmax(-1)).sum())
+    n = base.shape[0]
+    lo, hi = wilson(same, n)
+    ppl_delta = None
+    if targets is not None and targets.numel():
+        ppl_delta = _perplexity(other, targets) / _perplexity(base, targets) - 1.0
+    return ModelCheck(variant=name, tokens=n, agreement=round(same / n, 4), agreement_low=round(lo, 4),
+                      agreement_high=round(hi, 4), kl_mean=float(f"{float(kl.mean()):.4g}"),
+                      kl_max=float(f"{float(kl.max()):.4g}"),
+                      kl_p99=float(f"{float(torch.quantile(kl, 0.99)):.4g}"),
+                      ppl_delta=None if ppl_delta is None else float(f"{ppl_delta:.4g}"))

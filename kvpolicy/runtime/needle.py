@@ -81,10 +81,36 @@ def geometry_plan(arch: ModelArch) -> LayerPlan:
                      "attention, which window-bounded layers do not do.")
 
 
+def geometry_plans(arch: ModelArch) -> list[LayerPlan]:
+    """The BF16 plan of the first layer of every distinct attention geometry (full, sliding, MLA; heads, dims,
+    window, sinks): a format that fails on one kind of layer fails the model, so each is tested.
+
+    Full (and MLA) layers come first: they carry the long-context retrieval the needle test is about.
+    """
+    seen: dict[tuple, LayerPlan] = {}
+    for p in plan_layers(arch, Variant("auto")):
+        if p.kind not in ("full", "mla", "sliding"):
+            continue  # linear layers hold no KV; shared layers read another layer's cache
+        key = (p.kind, p.num_q_heads, p.num_kv_heads, p.head_dim, p.out_dim, p.window, p.has_sinks, p.sm_scale)
+        seen.setdefault(key, p)
+    plans = sorted(seen.values(), key=lambda p: (p.kind == "sliding", p.index))
+    if not plans or plans[0].kind == "sliding":
+        geometry_plan(arch)  # raises the clear error: no full-attention layer
+    return plans
+
+
+def geometry_label(plan: LayerPlan) -> str:
+    """`layer 3 (full, 9q/3kv x 64)`: how tables and verdicts name a geometry."""
+    win = f", window {plan.window}" if plan.window else ""
+    return f"layer {plan.index} ({plan.kind}, {plan.num_q_heads}q/{plan.num_kv_heads}kv x {plan.head_dim}{win})"
+
+
 def plan_for(arch: ModelArch, base: LayerPlan, variant: Variant) -> LayerPlan | None:
     """The geometry layer in the variant's format (None where the format does not apply: TurboQuant or the
     per-token-head formats on MLA)."""
     fmt = FORMATS[variant.kv_cache_dtype]
+    if base.kind == "sliding" and "sliding_window" in variant.skip_layers:
+        fmt = FORMATS["auto"]  # the variant keeps these layers BF16
     if base.kind == "mla" and (fmt.kind == "turboquant" or fmt.per_token_head):
         return None
     return replace(base, fmt=fmt, bytes_per_token=layer_kv_bytes_per_token(arch, base.index, fmt))
@@ -196,6 +222,8 @@ class NeedleScore:
     """Mean |p_hat - p_exact|."""
     out_rel_error: float
     """||out - exact|| / ||exact|| over the whole output."""
+    hit_mask: torch.Tensor | None = None
+    """bool [batch, num_q_heads]: which trials hit (pairs a format's hits with BF16's)."""
 
 
 def _calibrated_scales(case: NeedleCase, per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,4 +275,4 @@ def score(plan: LayerPlan, variant: Variant, case: NeedleCase, device: torch.dev
     err = float((p_hat - case.p_exact).abs().mean())
     rel = float((out - case.out_exact).norm() / case.out_exact.norm())
     del cache
-    return NeedleScore(hits, p_hat.numel(), err, rel)
+    return NeedleScore(hits, p_hat.numel(), err, rel, (p_hat > 0.5).cpu())

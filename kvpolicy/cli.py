@@ -73,6 +73,8 @@ def build_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     module = importlib.import_module(module_name)
     parser = _Parser(prog=f"kvpolicy {name}", description=summary)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--allow-extends-outside", action="store_true",
+                        help="let a policy's `extends:` read files outside its git repository (or its folder)")
     module.configure(name, parser)  # type: ignore[attr-defined]
     return parser, module
 
@@ -96,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser, module = build_parser(name)
         args = parser.parse_args(argv[1:])
         args.command = name
+        if args.allow_extends_outside:
+            from kvpolicy.inputs.policy_loader import EXTENDS_ANYWHERE
+
+            EXTENDS_ANYWHERE.set(True)
         return int(module.run(args) or 0)  # type: ignore[attr-defined]
     except KvPolicyError as exc:
         if debug:

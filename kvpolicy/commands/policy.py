@@ -58,8 +58,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--gpu", "-g", default=None, help="GPU for --model")
         parser.add_argument("--context", "-c", default="32k", help="context for --model (default 32k)")
         parser.add_argument("--priority", choices=["decode", "prefill", "balanced"], default="decode")
-        parser.add_argument("--concurrency", type=positive_int("--concurrency"), default=1)
-        parser.add_argument("--tp", type=positive_int("--tp"), default=1)
+        parser.add_argument("--concurrency", type=positive_int("--concurrency", 1_000_000), default=1)
+        parser.add_argument("--tp", type=positive_int("--tp", 1024), default=1)
     parser.add_argument("--format", "-f", choices=OUTPUT_FORMATS, default="table",
                         help="table (people), json (machines), github (workflow annotations)")
 

@@ -13,6 +13,7 @@ import logging
 import socket
 import sys
 
+from kvpolicy.commands.common import bounded_float, bounded_int
 from kvpolicy.errors import InputError
 from kvpolicy.inputs.policy_loader import DEFAULT_POLICY
 
@@ -23,8 +24,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                         help="policy file to serve, reloaded when it changes (default: builtin:default)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1, loopback only; the service has no auth)")
-    parser.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
-    parser.add_argument("--reload-interval", type=float, default=1.0, metavar="SECONDS",
+    parser.add_argument("--port", type=bounded_int("--port", 0, 65535), default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    parser.add_argument("--reload-interval", type=bounded_float("--reload-interval", 0, 3600), default=1.0, metavar="SECONDS",
                         help="how often to check the policy files for changes (default 1; 0: only on SIGHUP)")
     parser.add_argument("--access-log", action="store_true", help="log every request (off by default: /metrics counts them)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")

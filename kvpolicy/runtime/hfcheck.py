@@ -121,7 +121,9 @@ def load_tokens(folder: Path, text_path: Path | None, max_tokens: int, vocab_siz
     except Exception:  # noqa: BLE001 - no tokenizer files is the common case for test models
         tok = None
     if tok is not None:
-        text = text_path.read_text(encoding="utf-8") if text_path else DEFAULT_TEXT
+        from kvpolicy.inputs.safeio import MAX_TEXT_BYTES, read_text
+
+        text = read_text(text_path, what="--text", max_bytes=MAX_TEXT_BYTES) if text_path else DEFAULT_TEXT
         ids = tok(text, return_tensors="pt").input_ids[:, :max_tokens]
         return ids, f"{ids.shape[1]} tokens of {'`' + str(text_path) + '`' if text_path else 'the built-in text'}"
     if text_path:

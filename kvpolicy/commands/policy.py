@@ -88,10 +88,12 @@ def discover_policies(paths: list[str]) -> list[Path]:
     from kvpolicy.policy.testing import SKIP_DIRS, is_test_file
 
     found: list[Path] = []
+    from kvpolicy.inputs.safeio import read_bytes
+
     for spec in paths or ["."]:
         p = Path(spec)
-        if p.is_file():
-            found.append(p)
+        if p.exists() and not p.is_dir():
+            found.append(p)  # the loader says what is wrong with a FIFO, a device or a huge file
             continue
         if not p.is_dir():
             raise InputError(f"{spec}: no such file or folder. Pass policy files or folders holding them.")
@@ -100,9 +102,9 @@ def discover_policies(paths: list[str]) -> list[Path]:
             if set(parts) & SKIP_DIRS or any(part.startswith(".") for part in parts) or f.name.startswith("."):
                 continue
             try:
-                text = f.read_text(encoding="utf-8", errors="replace")[:65536]
-            except OSError:
-                found.append(f)
+                text = read_bytes(f, what="a policy file").decode("utf-8", "replace")[:65536]
+            except InputError:
+                found.append(f)  # linted, so that the refusal is reported with the file's name
                 continue
             is_policy = _POLICY_KEYS.search(text) and not _FOREIGN_KEYS.search(text)
             if is_policy or (is_test_file(f) and re.search(r"^cases:", text, re.M)):
@@ -254,6 +256,6 @@ def _diff(args: argparse.Namespace) -> int:
     diffs = compare(old, new, extra)
     render_diff(old_label, new_label, policy_changes(old.policy, new.policy), diffs, new.chain[0],
                 Sources.of(new), args.format)
-    if args.exit_code and any(d.status in ("changed", "added", "removed") for d in diffs):
+    if args.exit_code and any(d.status in ("changed", "added", "removed", "error") for d in diffs):
         return EXIT_POLICY_FAILURE
     return EXIT_OK

@@ -152,8 +152,9 @@ def _schema(args: argparse.Namespace) -> int:
     # Every target is checked before the first is written, so a refusal changes nothing.
     todo = {}
     for path, text in texts.items():
-        ours = _written_by_us(path, json.loads(text)["title"])
-        check_writable(path, force=args.force or ours, what="JSON Schema")
+        if out.is_dir():
+            check_writable(path, force=args.force or _written_by_us(path, json.loads(text)["title"]),
+                           what="JSON Schema")
         todo[path] = text
     out.mkdir(parents=True, exist_ok=True)
     for path, text in todo.items():

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+F16_MAX = 65504.0
+"""Largest finite float16 (TurboQuant's stored norm, scale and zero point are fp16)."""
 FP8_E4M3_MAX = 448.0
 """Largest finite e4m3 value: FP8 caches and queries saturate there."""
 

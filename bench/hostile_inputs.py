@@ -1,10 +1,11 @@
 """Crafted hostile inputs against the CLI, counted the way issue 41 tabulates them.
 
-Each input runs `python -m kvpolicy ...` in a subprocess with a 5 s limit and a 2 GB
-address-space cap and is classified as handled (exit 0/1/2 and the expected kind of
-answer), internal error (exit 3 or a traceback), wrong success (exit 0 where a refusal
-was expected), hang or memory blow-up (timeout, killed, MemoryError), or data lost
-(a file the user had changed or replaced). Prints the table as Markdown.
+Each input runs `python -m kvpolicy ...` in a subprocess with 5 s of CPU (15 s for bench and
+verify, which import torch), 60 s of wall time and a 2 GB address-space cap, and is classified
+as handled (exit 0/1/2 and the expected kind of answer), internal error (exit 3 or a
+traceback), wrong success (exit 0 where a refusal was expected), hang or memory blow-up
+(timeout, killed, MemoryError), or data lost (a file the user had changed or replaced).
+Prints the table as Markdown.
 
     PYTHONPATH=$PWD python bench/hostile_inputs.py [--jobs 2]
 """
@@ -18,13 +19,17 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 5.0
+"""CPU seconds an input may use (RLIMIT_CPU: a loaded machine does not count as a hang); the runtime
+commands get RUNTIME_CPU_S, since importing torch alone takes a few CPU seconds."""
+RUNTIME_CPU_S = 15.0
+WALL_S = 60.0
+"""Wall-clock limit: catches a process blocked on a FIFO or a socket, which burns no CPU."""
 MEMORY_BYTES = 2 << 30
 
 POLICY = "version: 1\nname: team\nextends: builtin:default\ndeployments:\n  - {name: chat, model: gpt-oss-20b, gpu: h100}\n"
@@ -33,12 +38,15 @@ POLICY = "version: 1\nname: team\nextends: builtin:default\ndeployments:\n  - {n
 @dataclass
 class Case:
     set: str
+    """Which row of the table."""
     argv: list[str]
     expect: str  # "ok" (exit 0), "refuse" (exit 1 or 2), "any" (0/1/2)
     setup: dict[str, str | bytes] = field(default_factory=dict)
     """Files to create (relative to the case folder); a value starting with `->` makes a symlink."""
     keep: list[str] = field(default_factory=list)
     """Files whose content must be unchanged afterwards (data lost otherwise)."""
+    label: str = ""
+    """What the input is (shown by --show)."""
 
 
 def _numbers() -> list[str]:
@@ -49,7 +57,7 @@ def _numbers() -> list[str]:
 def cli_cases() -> list[Case]:
     cases = []
     base = ["recommend", "-m", "gpt-oss-20b", "-g", "h100"]
-    ok_values = {"--context": {"1", "1.5", "1_000"}, "--concurrency": {"1"}, "--tp": {"1"},
+    ok_values = {"--context": {"1", "1.5"}, "--concurrency": {"1"}, "--tp": {"1"},
                  "--accuracy-floor": {"1"}, "--gpu-memory-utilization": {"1"},
                  "--weights-gb": {"1", "1.5"}}
     for flag, good in ok_values.items():
@@ -176,7 +184,7 @@ def policy_cases() -> list[Case]:
             want = expect
             if name in ("latin1", "nul") and argv[0] == "lint":
                 want = "refuse"
-            cases.append(Case("policy", argv, "any" if name == "bom" else want, setup=dict(setup)))
+            cases.append(Case("policy", argv, "any" if name == "bom" else want, setup=dict(setup), label=name))
     # a test file and the FIFO given directly
     cases.append(Case("policy", ["test", "fifo"], "refuse", setup={"fifo": "FIFO"}))
     cases.append(Case("policy", ["lint", "fifo"], "refuse", setup={"fifo": "FIFO"}))
@@ -241,8 +249,11 @@ def _setup(folder: Path, files: dict[str, str | bytes]) -> None:
             path.write_text(content)
 
 
-def _limit() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+def _limiter(cpu_s: float):  # noqa: ANN202
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+        resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_s), int(cpu_s) + 1))
+    return limit
 
 
 def run_case(case: Case) -> str:
@@ -251,21 +262,20 @@ def run_case(case: Case) -> str:
         _setup(folder, case.setup)
         before = {k: (folder / k).read_bytes() for k in case.keep if (folder / k).is_file()}
         env = {**os.environ, "PYTHONPATH": str(ROOT), "KVPOLICY_VLLM_PYTHON": "/nonexistent"}
-        start = time.monotonic()
+        cpu = RUNTIME_CPU_S if case.argv[0] in ("bench", "verify") else TIMEOUT_S
         try:
             proc = subprocess.run([sys.executable, "-m", "kvpolicy", *case.argv], cwd=folder, env=env,
-                                  capture_output=True, text=True, timeout=TIMEOUT_S, preexec_fn=_limit,
+                                  capture_output=True, text=True, timeout=WALL_S, preexec_fn=_limiter(cpu),
                                   stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             return "hang"
-        took = time.monotonic() - start
         after = {k: (folder / k).read_bytes() if (folder / k).is_file() else None for k in before}
         lost = any(after[k] != v for k, v in before.items()) or any(
             not (folder / k).is_symlink() for k, v in case.setup.items() if isinstance(v, str) and v.startswith("->"))
         text = proc.stdout + proc.stderr
         if lost:
             return "lost"
-        if proc.returncode < 0 or "MemoryError" in text or took > TIMEOUT_S:
+        if proc.returncode < 0 or "MemoryError" in text:
             return "hang"
         if proc.returncode == 3 or "Traceback" in text or proc.returncode not in (0, 1, 2):
             return "internal"
@@ -296,7 +306,7 @@ def main() -> int:
         if args.show:
             for case, result in zip(cases, results):
                 if result != "handled":
-                    print(f"  {result}: {json.dumps(case.argv)[:200]}", file=sys.stderr)
+                    print(f"  {result}: {case.label} {json.dumps(case.argv)[:200]}", file=sys.stderr)
     return 0
 
 

@@ -347,6 +347,41 @@ def test_reload_never_serves_a_half_written_file(tmp_path):
         log.close()
 
 
+def test_slow_clients_are_cut_off(tmp_path):
+    """Half-sent headers are closed after --header-timeout; a body slower than --body-timeout gets 408."""
+    import re
+    import socket
+
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvpolicy", "serve", "--port", "0", "--reload-interval", "0",
+                                 "--header-timeout", "0.5", "--body-timeout", "0.5"], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 30
+        while "Application startup complete" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", log.read_text()).group(1))
+        slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        for s in slow:
+            s.sendall(b"POST /v1/recommend HTTP/1.1\r\nHost: x\r\n")
+        body = socket.create_connection(("127.0.0.1", port))
+        body.sendall(b"POST /v1/recommend HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(1.5)
+        for s in slow:
+            s.settimeout(2)
+            assert s.recv(10) == b""  # closed by the server
+        body.settimeout(2)
+        assert body.recv(40).startswith(b"HTTP/1.1 408")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 # -- files the tool writes -------------------------------------------------------------------
 
 

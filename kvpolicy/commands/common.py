@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 
 from kvpolicy.errors import InputError
@@ -13,14 +14,16 @@ from kvpolicy.inputs.workload import Workload
 from kvpolicy.rules.validate import load_policy
 
 
+_INT = re.compile(r"[+-]?[0-9]{1,30}")
+_FLOAT = re.compile(r"[+-]?([0-9]{1,30}\.?[0-9]{0,30}|\.[0-9]{1,30})([eE][+-]?[0-9]{1,4})?")
+
+
 def bounded_int(flag: str, low: int, high: int):  # noqa: ANN201 - argparse type factory
     """argparse type: a whole number in low..high, with an error that names the flag and the range."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text) if len(text) <= 40 else None
-        except ValueError:
-            value = None
+        # ASCII digits only: Python's int() would also take `1_000` and full-width digits.
+        value = int(text) if _INT.fullmatch(text.strip()) else None
         if value is None:
             raise argparse.ArgumentTypeError(f"{flag} expects a whole number in {low:,}..{high:,}, "
                                               f"found {text[:40]!r}")
@@ -41,10 +44,7 @@ def bounded_float(flag: str, low: float, high: float, *, low_open: bool = False)
     import math
 
     def parse(text: str) -> float:
-        try:
-            value = float(text) if len(text) <= 40 else math.nan
-        except ValueError:
-            value = math.nan
+        value = float(text) if _FLOAT.fullmatch(text.strip()) else math.nan
         shown = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{flag} expects a finite number in {shown}, found {text[:40]!r}")
@@ -62,17 +62,7 @@ def positive_float(flag: str, high: float = 1e6):  # noqa: ANN201 - argparse typ
 
 def unit_float(flag: str):  # noqa: ANN201 - argparse type factory
     """argparse type: a number in (0, 1]."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects a number such as 0.95, found {text!r}") from None
-        if not 0 < value <= 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be in (0, 1], found {value:g}")
-        return value
-
-    return parse
+    return bounded_float(flag, 0.0, 1.0, low_open=True)
 
 
 def add_deployment_args(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:

@@ -120,7 +120,7 @@ def _read(spec: str, base: Path | None, read: Reader, root: Path | None = None) 
     if base is not None and not path.is_absolute():
         path = base / path
     if root is not None and not _inside(path, root):
-        raise PolicyError(f"{path} is outside {root}, the policy's repository; `extends:` stays inside it "
+        raise PolicyError(f"{path} is outside {root}, the policy's git work tree (or folder); `extends:` stays inside it "
                           "(pass --allow-extends-outside to allow it).")
     if base is not None and read is read_text:
         if not path.exists():

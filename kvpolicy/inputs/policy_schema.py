@@ -383,7 +383,7 @@ class Deployment(_Strict):
     gpu: str
     """GPU catalog id or alias."""
     context: Union[Annotated[int, Field(gt=0, le=16_777_216)],
-                   Annotated[str, Field(max_length=32, pattern=r"^\s*\d+(\.\d+)?\s*[kKmM]?\s*$")]] = 32768
+                   Annotated[str, Field(max_length=32, pattern=r"^\s*[0-9]+(\.[0-9]+)?\s*[kKmM]?\s*$")]] = 32768
     """Context length (`32k`, `1m` or a number of tokens)."""
     priority: Literal["decode", "prefill", "balanced"] = "decode"
     """decode, prefill or balanced."""

@@ -188,8 +188,8 @@ def depth(data: Any, limit: int = MAX_DEPTH) -> int:
 # -- YAML -------------------------------------------------------------------------------------
 
 
-class YamlTooLarge(ValueError):
-    """A YAML document past the node or depth cap; `loc` is the path where it went over."""
+class YamlRefused(ValueError):
+    """A YAML document past the node or depth cap, or holding a non-plain value; `loc` is where."""
 
     def __init__(self, message: str, loc: tuple[Any, ...]) -> None:
         super().__init__(message)
@@ -209,21 +209,25 @@ def check_yaml_size(data: Any, *, max_nodes: int = MAX_YAML_NODES, max_depth: in
 
     def size(node: Any, loc: tuple[Any, ...], level: int) -> int:
         if not isinstance(node, (dict, list)):
+            if node is not None and not isinstance(node, (str, int, float)):
+                # !!binary, !!set, !!omap, dates: not data a policy holds, and bytes would pass as a string
+                raise YamlRefused(f"a {type(node).__name__} value (from a YAML tag or an unquoted date) is not "
+                                   "allowed; quote it or write a plain string, number, list or mapping", loc)
             return 1
         key = id(node)
         if key in sizes:
             return sizes[key]
         if key in active:
-            raise YamlTooLarge("an alias refers to the mapping or list that holds it (a loop); remove it", loc)
+            raise YamlRefused("an alias refers to the mapping or list that holds it (a loop); remove it", loc)
         if level > max_depth:
-            raise YamlTooLarge(f"nested deeper than {max_depth} levels", loc)
+            raise YamlRefused(f"nested deeper than {max_depth} levels", loc)
         active.add(key)
         total = 1
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
             total += size(v, loc + (k,), level + 1)
             if total > max_nodes:
-                raise YamlTooLarge(f"its aliases expand to more than {max_nodes:,} values (an alias bomb?); "
+                raise YamlRefused(f"its aliases expand to more than {max_nodes:,} values (an alias bomb?); "
                                    "write the values out or use fewer aliases", loc + (k,))
         active.discard(key)
         sizes[key] = total

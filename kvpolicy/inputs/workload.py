@@ -37,7 +37,8 @@ class Workload(BaseModel):
     """Fraction of GPU memory vLLM may use (vLLM's default 0.92)."""
 
 
-_TOKENS = re.compile(r"^\s*(\d{1,12}(?:\.\d{1,12})?)\s*([kKmM]?)\s*$")
+_TOKENS = re.compile(r"^\s*([0-9]{1,12}(?:\.[0-9]{1,12})?)\s*([kKmM]?)\s*$")
+"""ASCII digits only (`\d` would also take full-width and other scripts' digits)."""
 
 
 def parse_tokens(text: str | int, what: str = "--context") -> int:

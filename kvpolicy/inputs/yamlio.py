@@ -83,11 +83,11 @@ def load_roundtrip(text: str, where: str) -> Any:
 
 def _bounded(data: Any, where: str) -> Any:
     """`data` if its aliases and nesting stay within the caps (checked before anything copies it)."""
-    from kvpolicy.inputs.safeio import YamlTooLarge, check_yaml_size
+    from kvpolicy.inputs.safeio import YamlRefused, check_yaml_size
 
     try:
         check_yaml_size(data)
-    except YamlTooLarge as exc:
+    except YamlRefused as exc:
         pos = position(data, exc.loc)
         raise located_error([Problem(where, f"refused: {exc}.", pos[0] if pos else None,
                                      pos[1] if pos else None, kind="yaml")]) from None

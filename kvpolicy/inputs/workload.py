@@ -38,7 +38,7 @@ class Workload(BaseModel):
 
 
 _TOKENS = re.compile(r"^\s*([0-9]{1,12}(?:\.[0-9]{1,12})?)\s*([kKmM]?)\s*$")
-"""ASCII digits only (`\d` would also take full-width and other scripts' digits)."""
+"""ASCII digits only (a Unicode digit class would also take full-width and other scripts' digits)."""
 
 
 def parse_tokens(text: str | int, what: str = "--context") -> int:

@@ -74,6 +74,8 @@ def build_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     module = importlib.import_module(module_name)
     parser = _Parser(prog=f"kvpolicy {name}", description=summary)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--allow-extends-outside", action="store_true",
+                        help="let a policy's `extends:` read files outside its git repository (or its folder)")
     module.configure(name, parser)  # type: ignore[attr-defined]
     return parser, module
 
@@ -97,7 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser, module = build_parser(name)
         args = parser.parse_args(argv[1:])
         args.command = name
-        return int(module.run(args) or 0)  # type: ignore[attr-defined]
+        from kvpolicy.inputs.policy_loader import EXTENDS_ANYWHERE
+
+        token = EXTENDS_ANYWHERE.set(bool(args.allow_extends_outside))
+        try:
+            return int(module.run(args) or 0)  # type: ignore[attr-defined]
+        finally:
+            EXTENDS_ANYWHERE.reset(token)
     except KvPolicyError as exc:
         if debug:
             raise
@@ -112,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
         if debug:
             raise
+        if isinstance(exc, OSError) and exc.filename is not None:
+            # A path the user named that the OS refuses (too long, a loop of links): their input, not our bug.
+            sys.stderr.write(f"kvpolicy {name}: error: {str(exc.filename)[:200]}: {exc.strerror}. "
+                             "Check the path.\n")
+            return EXIT_USAGE
         sys.stderr.write(f"kvpolicy {name}: internal error: {type(exc).__name__}: {exc}. "
                          "Rerun with --debug for the traceback and report it.\n")
         return EXIT_INTERNAL

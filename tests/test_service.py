@@ -357,7 +357,7 @@ def test_every_valid_request_gets_an_answer(server, model, gpu, context, priorit
 def reloading(tmp_path):
     policy = tmp_path / "team.yaml"
     policy.write_text(POLICY)
-    srv = Server(policy, tmp_path / "serve.log", "--reload-interval", "0.05")
+    srv = Server(policy, tmp_path / "serve.log", "--reload-interval", "0.05", "--reload-settle", "0.05")
     yield srv, policy
     srv.stop()
 

@@ -39,7 +39,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     add_target_args(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the vLLM command instead of starting it")
     parser.add_argument("--emit-config", metavar="FILE", help="write a YAML file for `vllm serve --config FILE` "
-                        "instead of starting vLLM")
+                        "instead of starting vLLM (an existing FILE needs --force)")
+    parser.add_argument("--force", action="store_true", help="let --emit-config replace an existing file")
     parser.add_argument("--strict", action="store_true",
                         help="refuse (exit 1) when stock vLLM cannot carry out the decision")
     parser.add_argument("--vllm-version", metavar="VER",
@@ -79,12 +80,13 @@ def user_config_keys(user_args: list[str], emit_config: str | None) -> dict[str,
     if emit_config:
         raise InputError(f"--emit-config cannot wrap your own --config {files[0]}: merge it into the written "
                          "file or pass its flags after `--`.")
+    from kvpolicy.inputs.safeio import read_text
     from kvpolicy.inputs.yamlio import load_safe
 
     try:
-        data = load_safe(Path(files[0]).read_text(encoding="utf-8"), files[0])
-    except OSError as exc:
-        raise InputError(f"--config {files[0]} (after `--`): cannot read it ({exc.strerror}).") from None
+        data = load_safe(read_text(files[0], what="a vLLM --config file"), files[0])
+    except InputError as exc:
+        raise InputError(f"--config (after `--`): {exc}") from None
     if not isinstance(data, dict):
         raise InputError(f"--config {files[0]}: expected a mapping of vLLM option names to values.")
     return {canonical_flag(f"--{key}") or f"--{key}": f"{key} in {files[0]}" for key in data}
@@ -119,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
     from kvpolicy.outputs.vllm_launch import INSTALL_HINT, config_yaml, exec_vllm, find_vllm, shell_line, validate
 
     user_args = user_vllm_args(args.vllm_args)
+    if args.emit_config:
+        from kvpolicy.inputs.safeio import check_writable
+
+        check_writable(args.emit_config, force=args.force, what="--emit-config file")
     for flag, tokens in option_groups(user_args):
         if flag is None or flag == "--model":
             raise InputError(f"`{' '.join(tokens)}` after `--`: the model comes from --model or the deployment.")
@@ -163,11 +169,9 @@ def run(args: argparse.Namespace) -> int:
     if args.emit_config:
         header = (f"vllm serve config written by kvpolicy apply: {rec.model} on {rec.gpu}, policy {rec.policy}\n"
                   f"Start: {shell_line(_config_start(install, args.emit_config))}")
-        try:
-            Path(args.emit_config).write_text(config_yaml(model_ref, flags, header=header, env=plan.env),
-                                              encoding="utf-8")
-        except OSError as exc:
-            raise InputError(f"--emit-config {args.emit_config}: cannot write it ({exc.strerror}).") from None
+        from kvpolicy.inputs.safeio import write_text
+
+        emitted = config_yaml(model_ref, flags, header=header, env=plan.env)
     if install is None:
         _note(f"not validated: vLLM is not installed here ({INSTALL_HINT})")
     elif args.no_validate:
@@ -177,15 +181,13 @@ def run(args: argparse.Namespace) -> int:
         _note(f"checking the arguments with {install.distribution} {install.version} ({install.python}); vLLM takes "
               "a while to import ...")
         sys.stderr.flush()
-        try:
-            checked = validate(install, model_ref, flags, config=args.emit_config, env=plan.env)
-        except InputError:
-            if args.emit_config:  # leave no file vLLM would refuse
-                Path(args.emit_config).unlink(missing_ok=True)
-            raise
+        checked = _validate(validate, install, model_ref, flags, args.emit_config, plan.env,
+                            emitted if args.emit_config else None)
         cpu = " (no GPU here: checked for the CPU platform)" if checked.forced_cpu else ""
         _note(f"validated by vLLM {checked.version}: {', '.join(checked.checked)}{cpu}")
     if args.emit_config:
+        # Written only once vLLM accepted it: a refused config never lands on (or replaces) the target.
+        write_text(args.emit_config, emitted, force=args.force, what="--emit-config file")
         start = shell_line(_config_start(install, args.emit_config), plan.env)
         _note(f"wrote {args.emit_config}; start vLLM with: {start}")
     if args.dry_run:
@@ -194,6 +196,20 @@ def run(args: argparse.Namespace) -> int:
         _note(f"starting: {shell_line(command, plan.env)}")
         exec_vllm(command, plan.env)
     return 0
+
+
+def _validate(validate, install, model_ref: str, flags: list[str], target: str | None, env: dict[str, str],  # noqa: ANN001
+              emitted: str | None):  # noqa: ANN202
+    """vLLM's check; an emitted config is checked from a private temp copy, since vLLM reads it by path."""
+    if target is None or emitted is None:
+        return validate(install, model_ref, flags, config=None, env=env)
+    import tempfile
+
+    folder = Path(target).parent if str(Path(target).parent) else Path(".")
+    with tempfile.TemporaryDirectory(prefix=".kvpolicy-", dir=folder) as tmp:
+        probe = Path(tmp) / Path(target).name
+        probe.write_text(emitted, encoding="utf-8")
+        return validate(install, model_ref, flags, config=str(probe), env=env)
 
 
 def _config_start(install, path: str) -> list[str]:  # noqa: ANN001 - VllmInstall | None

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvpolicy.commands.common import bounded_int
 from kvpolicy.errors import InputError
 
 
@@ -19,11 +20,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     from kvpolicy.commands.apply import add_target_args
 
     add_target_args(parser)
-    parser.add_argument("--emit-recipe", metavar="FILE", help="write the recipe here (default: print it)")
+    parser.add_argument("--emit-recipe", metavar="FILE", help="write the recipe here (default: print it); "
+                        "an existing FILE needs --force")
+    parser.add_argument("--force", action="store_true", help="let --emit-recipe replace an existing file")
     parser.add_argument("--strategy", choices=["tensor", "attn_head"],
                         help="scale granularity (default: the decision's: per-head -> attn_head, per-tensor -> tensor)")
     parser.add_argument("--dataset", default="open_platypus", help="calibration dataset for llm-compressor's oneshot")
-    parser.add_argument("--num-samples", type=int, default=512, help="calibration samples (default 512)")
+    parser.add_argument("--num-samples", type=bounded_int("--num-samples", 1, 10_000_000), default=512, help="calibration samples (default 512)")
     parser.add_argument("--output-dir", help="where llm-compressor saves the calibrated checkpoint")
     parser.epilog = "Example: kvpolicy calibrate -m kimi-k2.5 -g h200 -c 128k --emit-recipe recipe.yaml"
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -39,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
     from kvpolicy.outputs.calibrate import (INSTALL_HINT, checkpoint_strategy, has_llmcompressor, oneshot_command,
                                             recipe_yaml, shell_line, strategy_for)
 
+    if args.emit_recipe:
+        from kvpolicy.inputs.safeio import check_writable
+
+        check_writable(args.emit_recipe, force=args.force, what="--emit-recipe file")
     rec, arch, model_ref = decide(args)
     source = rec.decision.scale_source
     strategy = args.strategy or strategy_for(rec.decision)
@@ -60,10 +67,9 @@ def run(args: argparse.Namespace) -> int:
     recipe_path = args.emit_recipe or "recipe.yaml"
     command = oneshot_command(model_ref, recipe_path, output_dir, dataset=args.dataset, num_samples=args.num_samples)
     if args.emit_recipe:
-        try:
-            Path(args.emit_recipe).write_text(text, encoding="utf-8")
-        except OSError as exc:
-            raise InputError(f"--emit-recipe {args.emit_recipe}: cannot write it ({exc.strerror}).") from None
+        from kvpolicy.inputs.safeio import write_text
+
+        write_text(args.emit_recipe, text, force=args.force, what="--emit-recipe file")
         _note(f"wrote {args.emit_recipe} (kv_cache_scheme, strategy {strategy}); run it with:")
         print(shell_line(command))
     else:

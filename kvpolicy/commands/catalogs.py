@@ -20,6 +20,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--out", default="schemas", help="folder to write to (default schemas/)")
         parser.add_argument("--check", action="store_true",
                             help="exit 1 if the files in --out differ from the code (for CI)")
+        parser.add_argument("--force", action="store_true",
+                            help="replace files in --out that kvpolicy did not write (its own schemas are "
+                                 "always refreshed)")
     if name != "schema":
         parser.add_argument("--format", "-f", choices=["table", "json"], default="table",
                             help="table (people) or json (machines)")
@@ -140,18 +143,46 @@ def _plan_schemas(json_schema: Callable[..., dict]) -> dict[str, dict]:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from kvpolicy.inputs.safeio import check_writable, read_text, write_text
+
     out = Path(args.out)
-    stale = []
-    for name, schema in schemas().items():
-        text = json.dumps(schema, indent=2) + "\n"
-        path = out / name
-        if args.check:
-            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: is a file; --out names the folder the schemas go in.")
+    texts = {out / name: json.dumps(schema, indent=2) + "\n" for name, schema in schemas().items()}
+    if args.check:
+        stale = []
+        for path, text in texts.items():
+            try:
+                same = read_text(path, what="a JSON Schema", max_bytes=16 << 20) == text
+            except InputError:
+                same = False
+            if not same:
                 stale.append(str(path))
-            continue
-        out.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        if stale:
+            raise PolicyFailure("stale JSON Schema: " + ", ".join(stale) + ". Run `kvpolicy schema` and commit.")
+        return 0
+    # Every target is checked before the first is written, so a refusal changes nothing.
+    todo = {}
+    for path, text in texts.items():
+        if out.is_dir():
+            check_writable(path, force=args.force or _written_by_us(path, json.loads(text)["title"]),
+                           what="JSON Schema")
+        todo[path] = text
+    out.mkdir(parents=True, exist_ok=True)
+    for path, text in todo.items():
+        write_text(path, text, force=True, what="JSON Schema")
         echo(f"wrote {path}")
-    if stale:
-        raise PolicyFailure("stale JSON Schema: " + ", ".join(stale) + ". Run `kvpolicy schema` and commit.")
     return 0
+
+
+def _written_by_us(path: Path, title: str) -> bool:
+    """Whether `path` is a JSON Schema kvpolicy wrote under this title (safe to refresh without --force)."""
+    from kvpolicy.inputs.safeio import read_json
+
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        data = read_json(path, what="a JSON Schema", max_bytes=16 << 20)
+    except InputError:
+        return False
+    return isinstance(data, dict) and data.get("title") == title

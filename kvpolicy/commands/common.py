@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 
 from kvpolicy.errors import InputError
@@ -13,49 +14,55 @@ from kvpolicy.inputs.workload import Workload
 from kvpolicy.rules.validate import load_policy
 
 
-def positive_int(flag: str):  # noqa: ANN201 - argparse type factory
-    """argparse type: a positive integer, with an error that names the flag."""
+_INT = re.compile(r"[+-]?[0-9]{1,30}")
+_FLOAT = re.compile(r"[+-]?([0-9]{1,30}\.?[0-9]{0,30}|\.[0-9]{1,30})([eE][+-]?[0-9]{1,4})?")
+
+
+def bounded_int(flag: str, low: int, high: int):  # noqa: ANN201 - argparse type factory
+    """argparse type: a whole number in low..high, with an error that names the flag and the range."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects a whole number, found {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be positive, found {value}")
+        # ASCII digits only: Python's int() would also take `1_000` and full-width digits.
+        value = int(text) if _INT.fullmatch(text.strip()) else None
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{flag} expects a whole number in {low:,}..{high:,}, "
+                                              f"found {text[:40]!r}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} must be in {low:,}..{high:,}, found {value:,}")
         return value
 
     return parse
 
 
-def positive_float(flag: str):  # noqa: ANN201 - argparse type factory
-    """argparse type: a positive number."""
+def positive_int(flag: str, high: int = 1 << 31):  # noqa: ANN201 - argparse type factory
+    """argparse type: a positive integer (at most `high`), with an error that names the flag."""
+    return bounded_int(flag, 1, high)
+
+
+def bounded_float(flag: str, low: float, high: float, *, low_open: bool = False):  # noqa: ANN201
+    """argparse type: a finite number in [low, high] ((low, high] with `low_open`)."""
+    import math
 
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects a number such as 13.8, found {text!r}") from None
-        if not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{flag} must be a positive number, found {text}")
+        value = float(text) if _FLOAT.fullmatch(text.strip()) else math.nan
+        shown = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{flag} expects a finite number in {shown}, found {text[:40]!r}")
+        if not (low < value if low_open else low <= value) or value > high:
+            raise argparse.ArgumentTypeError(f"{flag} must be in {shown}, found {value:g}")
         return value
 
     return parse
+
+
+def positive_float(flag: str, high: float = 1e6):  # noqa: ANN201 - argparse type factory
+    """argparse type: a positive, finite number (at most `high`)."""
+    return bounded_float(flag, 0.0, high, low_open=True)
 
 
 def unit_float(flag: str):  # noqa: ANN201 - argparse type factory
     """argparse type: a number in (0, 1]."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects a number such as 0.95, found {text!r}") from None
-        if not 0 < value <= 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be in (0, 1], found {value:g}")
-        return value
-
-    return parse
+    return bounded_float(flag, 0.0, 1.0, low_open=True)
 
 
 def add_deployment_args(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
@@ -69,9 +76,9 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, model_required: bool
                         help="context length per request: 32k, 128k, 131072 (default 32k)")
     parser.add_argument("--priority", choices=["decode", "prefill", "balanced"], default="decode",
                         help="latency that matters most (default decode)")
-    parser.add_argument("--concurrency", type=positive_int("--concurrency"), default=1,
+    parser.add_argument("--concurrency", type=positive_int("--concurrency", 1_000_000), default=1,
                         help="requests served at once at that context (default 1)")
-    parser.add_argument("--tp", type=positive_int("--tp"), default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--tp", type=positive_int("--tp", 1024), default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--accuracy-floor", type=unit_float("--accuracy-floor"), default=None,
                         help="lowest acceptable accuracy recovery vs BF16 (default: the policy's, 0.95)")
     parser.add_argument("--gpu-memory-utilization", type=unit_float("--gpu-memory-utilization"), default=0.92,

@@ -59,9 +59,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--context", "-c", default="32k", help="context for --model (default 32k)")
         parser.add_argument("--priority", choices=["decode", "prefill", "balanced"], default="decode",
                             help="priority for --model (default decode)")
-        parser.add_argument("--concurrency", type=positive_int("--concurrency"), default=1,
+        parser.add_argument("--concurrency", type=positive_int("--concurrency", 1_000_000), default=1,
                             help="concurrency for --model (default 1)")
-        parser.add_argument("--tp", type=positive_int("--tp"), default=1,
+        parser.add_argument("--tp", type=positive_int("--tp", 1024), default=1,
                             help="tensor-parallel size for --model (default 1)")
     parser.add_argument("--format", "-f", choices=OUTPUT_FORMATS, default="table",
                         help="table (people), json (machines), github (workflow annotations)")
@@ -91,10 +91,12 @@ def discover_policies(paths: list[str]) -> list[Path]:
     from kvpolicy.policy.testing import SKIP_DIRS, is_test_file
 
     found: list[Path] = []
+    from kvpolicy.inputs.safeio import read_bytes
+
     for spec in paths or ["."]:
         p = Path(spec)
-        if p.is_file():
-            found.append(p)
+        if p.exists() and not p.is_dir():
+            found.append(p)  # the loader says what is wrong with a FIFO, a device or a huge file
             continue
         if not p.is_dir():
             raise InputError(f"{spec}: no such file or folder. Pass policy files or folders holding them.")
@@ -103,9 +105,9 @@ def discover_policies(paths: list[str]) -> list[Path]:
             if set(parts) & SKIP_DIRS or any(part.startswith(".") for part in parts) or f.name.startswith("."):
                 continue
             try:
-                text = f.read_text(encoding="utf-8", errors="replace")[:65536]
-            except OSError:
-                found.append(f)
+                text = read_bytes(f, what="a policy file").decode("utf-8", "replace")[:65536]
+            except InputError:
+                found.append(f)  # linted, so that the refusal is reported with the file's name
                 continue
             is_policy = _POLICY_KEYS.search(text) and not _FOREIGN_KEYS.search(text)
             if is_policy or (is_test_file(f) and re.search(r"^cases:", text, re.M)):
@@ -258,6 +260,6 @@ def _diff(args: argparse.Namespace) -> int:
     diffs = compare(old, new, extra)
     render_diff(old_label, new_label, policy_changes(old.policy, new.policy), diffs, new.chain[0],
                 Sources.of(new), args.format)
-    if args.exit_code and any(d.status in ("changed", "added", "removed") for d in diffs):
+    if args.exit_code and any(d.status in ("changed", "added", "removed", "error") for d in diffs):
         return EXIT_POLICY_FAILURE
     return EXIT_OK

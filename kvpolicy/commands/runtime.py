@@ -11,13 +11,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.commands.common import positive_int, unit_float
+from kvpolicy.commands.common import bounded_int, positive_int, unit_float
 from kvpolicy.errors import InputError
 
 GPU_CONTEXTS = {"bench": "1k..128k", "verify": "4k..128k"}
 """Default --contexts on a GPU (the documents' range)."""
 CPU_CONTEXTS = {"bench": "256..1k", "verify": "512..2k"}
 """Default --contexts on the CPU: the torch references on small shapes."""
+MAX_BATCH = 1024
+"""Largest batch bench and verify run."""
+MAX_TOKENS_IN_FLIGHT = {"triton": 1 << 24, "torch": 1 << 20}
+"""Most tokens (batch x longest context) one run holds in its caches, by backend: beyond this the
+synthetic K/V alone would exhaust GPU (or, for the torch references, host) memory."""
 
 
 CPU_DEFAULT_GPU = "h100"
@@ -45,7 +50,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                         help="auto (default): the Triton kernels on CUDA when present, else the torch references")
     parser.add_argument("--out", "-o", default="kvpolicy-results", help="folder for the JSON (and PNG) results")
     parser.add_argument("--format", "-f", choices=["table", "json"], default="table", help="what to print")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the synthetic K/V (default 0)")
+    parser.add_argument("--seed", type=bounded_int("--seed", 0, 2**32 - 1), default=0,
+                        help="random seed of the synthetic K/V (default 0)")
     what = "slopes and break-even" if name == "bench" else "needle recoveries (per dtype and context)"
     parser.add_argument("--record", metavar="FILE", default=None,
                         help=f"write the measured {what} into this policy file as evidence for this model and GPU "
@@ -58,16 +64,16 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                          "policies/measured.yaml\n         kvpolicy recommend -m llama-3.1-8b -g auto "
                          "--policy policies/measured.yaml")
     else:
-        parser.add_argument("--batch", "-b", type=positive_int("--batch"), default=None,
+        parser.add_argument("--batch", "-b", type=positive_int("--batch", MAX_BATCH), default=None,
                             help="sequences per context (default: as many as --trials needs)")
-        parser.add_argument("--trials", type=positive_int("--trials"), default=None,
+        parser.add_argument("--trials", type=positive_int("--trials", 1_000_000), default=None,
                             help="needle trials per context and layer geometry (sequences x query heads; default: "
                                  "enough for a 95%% interval to decide a format 3 points from the floor, 207 at 95%%)")
         parser.add_argument("--accuracy-floor", type=unit_float("--accuracy-floor"), default=None,
                             help="recovery below this fails (default: the policy's, 0.95)")
         parser.add_argument("--text", type=Path, default=None,
                             help="text for the model-level check (needs a tokenizer in the model folder)")
-        parser.add_argument("--tokens", type=positive_int("--tokens"), default=None,
+        parser.add_argument("--tokens", type=positive_int("--tokens", 1 << 20), default=None,
                             help="tokens of text for the model-level check (default 512; the text defaults to Python's "
                                  "pydoc help topics)")
         parser.epilog = "Example: kvpolicy verify --model gpt-oss-20b --compare turboquant_4bit_nc"
@@ -102,11 +108,11 @@ def parse_contexts(text: str) -> list[int]:
 def parse_batches(text: str) -> list[int]:
     """`1,8` -> [1, 8]."""
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()] if len(text) <= 200 else []
     except ValueError:
         raise InputError(f"--batch `{text}`: write whole numbers separated by commas, e.g. 1,8.") from None
-    if not values or any(v <= 0 for v in values):
-        raise InputError(f"--batch `{text}`: batch sizes must be positive, e.g. 1,8.")
+    if not values or any(not 0 < v <= MAX_BATCH for v in values):
+        raise InputError(f"--batch `{text}`: batch sizes must be in 1..{MAX_BATCH}, e.g. 1,8.")
     return sorted(set(values))
 
 
@@ -157,7 +163,13 @@ def run(args: argparse.Namespace) -> int:
 
     device, backend = pick_backend(args.device)
     default = (GPU_CONTEXTS if backend == "triton" else CPU_CONTEXTS)[args.command]
-    contexts = parse_contexts(args.contexts or default)
+    contexts = parse_contexts(args.contexts if args.contexts is not None else default)
+    batches = parse_batches(args.batch) if args.command == "bench" else [args.batch or 1]
+    limit = MAX_TOKENS_IN_FLIGHT.get(backend, MAX_TOKENS_IN_FLIGHT["torch"])
+    if max(batches) * max(contexts) > limit:
+        raise InputError(f"--batch {max(batches)} x --contexts {max(contexts):,} = {max(batches) * max(contexts):,} "
+                         f"tokens in the cache; at most {limit:,} on this backend ({backend}). Lower one of them.")
+    _check_outputs(args)
     arch, gpu, loaded, rec = _resolve(args, max(contexts))
     if args.record:
         _check_record_target(args.command, device, backend, gpu)
@@ -168,8 +180,34 @@ def run(args: argparse.Namespace) -> int:
     return _verify(args, arch, gpu, loaded, rec, contexts, compare, device, backend, out_dir)
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse unwritable outputs before a run of minutes, not after it."""
+    import os
+
+    from kvpolicy.inputs.safeio import check_writable
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: is a file; --out names the folder results go in.")
+    existing = out if out.is_dir() else next((p for p in out.parents if p.is_dir()), Path("."))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: {existing} is not writable; choose another folder.")
+    for path in out.glob(f"{args.command}-*") if out.is_dir() else []:
+        if path.is_symlink():
+            raise InputError(f"{path} is a symbolic link; kvpolicy never writes through one. Remove it.")
+    record = getattr(args, "record", None)
+    if record:
+        check_writable(record, force=True, what="--record policy file")
+    text = getattr(args, "text", None)
+    if text is not None:
+        from kvpolicy.inputs.safeio import MAX_TEXT_BYTES, read_bytes
+
+        read_bytes(text, what="--text", max_bytes=MAX_TEXT_BYTES)  # refused now, not after the run
+
+
 def _bench(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any, contexts: list[int],
            compare: list[str], device: Any, backend: str, out_dir: Path) -> int:
+    from kvpolicy.inputs.safeio import write_text
     from kvpolicy.runtime.bench import run_bench
     from kvpolicy.runtime.plot import INSTALL_HINT, have_matplotlib, plot_bench
     from kvpolicy.runtime.variants import cache_layout, variant_list
@@ -201,7 +239,7 @@ def _bench(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any,
         else:
             notes.append(f"no plot: {INSTALL_HINT}")
     recorded = None
-    json_path.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    write_text(json_path, result.model_dump_json(indent=2) + "\n", force=True, what="results file")
     if record is not None:
         from kvpolicy.runtime.record import record_bench
 
@@ -274,6 +312,7 @@ def _print_bench(result: Any) -> None:
 def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any, contexts: list[int],
             compare: list[str], device: Any, backend: str, out_dir: Path) -> int:
     from kvpolicy.formats import FORMATS
+    from kvpolicy.inputs.safeio import write_text
     from kvpolicy.runtime.variants import cache_layout, variant_list
     from kvpolicy.runtime.verify import run_verify, with_calibrated_twins
 
@@ -313,7 +352,7 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
         result.warnings.append(self_compare)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"verify-{arch.id}-{gpu.id}.json"
-    json_path.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    write_text(json_path, result.model_dump_json(indent=2) + "\n", force=True, what="results file")
     recorded = None
     if args.record:
         from kvpolicy.runtime.record import record_verify

@@ -13,8 +13,10 @@ import logging
 import socket
 import sys
 
+from kvpolicy.commands.common import bounded_float, bounded_int
 from kvpolicy.errors import InputError
 from kvpolicy.inputs.policy_loader import DEFAULT_POLICY
+from kvpolicy.service.limits import Limits
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -23,9 +25,30 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                         help="policy file to serve, reloaded when it changes (default: builtin:default)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1, loopback only; the service has no auth)")
-    parser.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
-    parser.add_argument("--reload-interval", type=float, default=1.0, metavar="SECONDS",
+    parser.add_argument("--port", type=bounded_int("--port", 0, 65535), default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    parser.add_argument("--reload-interval", type=bounded_float("--reload-interval", 0, 3600), default=1.0, metavar="SECONDS",
                         help="how often to check the policy files for changes (default 1; 0: only on SIGHUP)")
+    from kvpolicy.service.api import MAX_BODY_BYTES
+
+    parser.add_argument("--reload-settle", type=bounded_float("--reload-settle", 0, 3600), default=None,
+                        metavar="SECONDS", help="a changed policy file is read only after its size and mtime have "
+                                                "held still this long (default: twice --reload-interval)")
+    defaults = Limits()
+    parser.add_argument("--max-connections", type=bounded_int("--max-connections", 1, 100_000),
+                        default=defaults.max_connections,
+                        help=f"open connections at once; more get HTTP 503 (default {defaults.max_connections})")
+    parser.add_argument("--header-timeout", type=bounded_float("--header-timeout", 0.1, 600),
+                        default=defaults.header_timeout_s, metavar="SECONDS",
+                        help="a request's headers must arrive within this many seconds of connecting or of the "
+                             f"previous response, else the connection is closed (default {defaults.header_timeout_s:g})")
+    parser.add_argument("--body-timeout", type=bounded_float("--body-timeout", 0.1, 600),
+                        default=defaults.body_timeout_s, metavar="SECONDS",
+                        help=f"the body must arrive within this many seconds of the headers, else HTTP 408 "
+                             f"(default {defaults.body_timeout_s:g})")
+    parser.add_argument("--idle-timeout", type=bounded_float("--idle-timeout", 0.1, 600),
+                        default=defaults.idle_timeout_s, metavar="SECONDS",
+                        help=f"an idle keep-alive connection is closed after this many seconds "
+                             f"(default {defaults.idle_timeout_s:g})")
     parser.add_argument("--access-log", action="store_true", help="log every request (off by default: /metrics counts them)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                         help="server log level on stderr (default info)")
@@ -38,7 +61,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         "         curl -s localhost:8080/v1/recommend -d '{\"model\": \"gpt-oss-20b\", \"gpu\": \"h100\"}'\n"
         "Endpoints: POST /v1/recommend, POST /v1/check, GET /v1/models, GET /v1/gpus, GET /healthz, GET /metrics.\n"
         "Reload: edit the file (checked every --reload-interval seconds) or `kill -HUP PID`; a broken edit is\n"
-        "rejected and logged, and the last good policy keeps serving."
+        "rejected and logged, and the last good policy keeps serving. A file is read only once its size and\n"
+        "mtime have held still for a settle time; replace it atomically (write a temp file, then rename it over\n"
+        "the policy: what editors and `git checkout` do) so a reload never sees a half-written file.\n"
+        f"Limits: bodies over {MAX_BODY_BYTES // 1024} KiB get 413, request line plus headers over "
+        f"{Limits().max_header_bytes // 1024} KiB are refused, and\n"
+        "the connection and timeout flags above cut off slow or idle clients; numbers in bodies are checked\n"
+        "for type and range (422 names the field)."
     )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -63,14 +92,22 @@ def run(args: argparse.Namespace) -> int:
     for option, module in (("--http httptools", "httptools"), ("--loop uvloop", "uvloop")):
         if option.split()[1] in (args.http, args.loop) and importlib.util.find_spec(module) is None:
             raise InputError(f"{option}: {module} is not installed; `pip install {module}` installs it.")
-    holder = PolicyHolder(args.policy or DEFAULT_POLICY)
+    settle = args.reload_settle if args.reload_settle is not None else 2 * args.reload_interval
+    holder = PolicyHolder(args.policy or DEFAULT_POLICY, settle_s=settle)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     if not _is_loopback(args.host):
         log.warning("listening on %s, beyond this machine: the service has no authentication", args.host)
-    app = create_app(holder, reload_interval_s=args.reload_interval)
+    from kvpolicy.service.limits import guarded_protocol
+
+    limits = Limits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                    body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout)
+    app = create_app(holder, reload_interval_s=args.reload_interval, limits=limits)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, lifespan="on",
-                            http=args.http, loop=args.loop, timeout_graceful_shutdown=5, server_header=False)
+                            http=guarded_protocol(args.http, limits), loop=args.loop, timeout_graceful_shutdown=5,
+                            server_header=False, limit_concurrency=limits.max_connections,
+                            timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
+                            h11_max_incomplete_event_size=limits.max_header_bytes)
     url_host = f"[{host}]" if ":" in host else host
     # Printed whatever the log level: with --port 0 this line is how callers learn the port.
     reload = f"every {args.reload_interval:g}s and on SIGHUP" if args.reload_interval else "on SIGHUP"

@@ -118,7 +118,11 @@ def resolve_model(spec: str, *, where: str = "--model", allow_paths: bool = True
         raise InputError(f"{where}: unknown model `{text}`.{hint} Name a catalog model (`kvpolicy models` "
                          "lists them); local config.json paths are not accepted here.")
     path = Path(text).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:  # a name too long for the file system, a loop of links
+        raise InputError(f"{where}: `{text[:80]}` is not a usable path ({exc.strerror}).") from None
+    if exists:
         from kvpolicy.inputs.gguf import gguf_in, load_gguf
         from kvpolicy.inputs.hfconfig import load_hf_config
 

@@ -12,7 +12,6 @@ that config.json give the same answer.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -75,29 +74,21 @@ _ARCH_MODEL_TYPE = {"DeepseekV3ForCausalLM": "deepseek_v3", "MiMoV2FlashForCausa
 
 
 def read_json(path: Path, *, required: bool) -> Any:
-    """The JSON document at `path` (None when it is absent and not required); errors name the file and the fix."""
+    """The JSON document at `path` (None when it is absent and not required); errors name the file and the fix.
+
+    Read by the hardened reader (regular file, size cap, UTF-8, strict JSON): a file that is
+    present but broken is an error even when optional, since skipping it would change the answer.
+    """
+    from kvpolicy.inputs.safeio import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, load_json, read_text
+
+    if not required and not path.exists() and not path.is_symlink():
+        return None
+    cap = MAX_INDEX_BYTES if path.name.endswith(".index.json") else MAX_CONFIG_BYTES
+    text = read_text(path, what="a Hugging Face config file", max_bytes=cap)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        if not required:
-            return None
-        raise InputError(
-            f"{path}: file not found. Pass an existing config.json or its folder "
-            f"(relative paths start at {Path.cwd()})."
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        if not required:
-            return None
-        raise InputError(f"{path}: cannot be read ({exc}). Check the file's permissions and encoding.") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        if not required:
-            return None
-        raise InputError(
-            f"{path}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg}). "
-            "A Hugging Face config.json must be one JSON object; fix the syntax there."
-        ) from None
+        return load_json(text, str(path))
+    except InputError as exc:
+        raise InputError(f"{exc} A Hugging Face config.json must be one JSON object.") from None
 
 
 def load_hf_config(path: str | Path, *, model_id: str | None = None, weights_gb: float | None = None) -> ModelArch:
@@ -157,6 +148,9 @@ def arch_from_hf_config(config: dict[str, Any], model_id: str, source: str, *,
     if defaults:
         cfg = {**defaults, **cfg}
     where = f"{source} ({nested_in})" if nested_in else source
+    check_numbers(cfg, where)
+    if nested_in:
+        check_numbers(config, source)
 
     num_layers = _positive_int(cfg, "num_hidden_layers", where)
     num_heads = _positive_int(cfg, "num_attention_heads", where)
@@ -266,6 +260,62 @@ def _positive_int(cfg: dict[str, Any], key: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value <= 0:
         raise InputError(f"{where}: `{key}` is {value!r}; it must be a positive whole number. Fix the value.")
     return int(value)
+
+
+_INT = (int,)
+_NUM = (int, float)
+_BOUNDS: dict[str, tuple[tuple[type, ...], float, float]] = {
+    # key: (types, lowest, highest). Ranges are far beyond any released model and far below what
+    # would make kvpolicy build millions of layer objects or overflow a byte count.
+    "num_hidden_layers": (_INT, 1, 4096),
+    "num_attention_heads": (_INT, 1, 16384),
+    "num_key_value_heads": (_INT, 1, 16384),
+    "head_dim": (_INT, 1, 65536),
+    "hidden_size": (_INT, 1, 1 << 20),
+    "intermediate_size": (_INT, 0, 1 << 24),
+    "moe_intermediate_size": (_INT, 0, 1 << 24),
+    "shared_expert_intermediate_size": (_INT, 0, 1 << 24),
+    "vocab_size": (_INT, 1, 1 << 27),
+    "max_position_embeddings": (_INT, 1, 1 << 31),
+    "sliding_window": (_INT, 0, 1 << 31),
+    "num_experts": (_INT, 0, 1 << 16),
+    "num_local_experts": (_INT, 0, 1 << 16),
+    "n_routed_experts": (_INT, 0, 1 << 16),
+    "n_shared_experts": (_INT, 0, 1 << 16),
+    "num_experts_per_tok": (_INT, 0, 1 << 16),
+    "kv_lora_rank": (_INT, 0, 65536),
+    "q_lora_rank": (_INT, 0, 65536),
+    "qk_nope_head_dim": (_INT, 0, 65536),
+    "qk_rope_head_dim": (_INT, 0, 65536),
+    "v_head_dim": (_INT, 0, 65536),
+    "num_nextn_predict_layers": (_INT, 0, 4096),
+    "rotary_dim": (_INT, 0, 65536),
+    "partial_rotary_factor": (_NUM, 0, 1),
+    "rope_theta": (_NUM, 0, 1e15),
+}
+"""Numeric config.json keys kvpolicy reads, with their type and range (null means "not set")."""
+
+
+def check_numbers(cfg: dict[str, Any], where: str) -> None:
+    """Refuse a config whose numbers are of the wrong type, not finite or out of range, naming key and range.
+
+    `num_key_value_heads: 0` would otherwise read as "not set" (multi-head attention) and
+    `num_hidden_layers: 1e8` would build a hundred million layer objects.
+    """
+    import math
+
+    for key, (types, low, high) in _BOUNDS.items():
+        value = cfg.get(key)
+        if value is None or (key == "sliding_window" and value is False):
+            continue
+        whole = types is _INT
+        ok = not isinstance(value, bool) and isinstance(value, _NUM) and math.isfinite(value)
+        if ok and whole and isinstance(value, float):
+            ok = value.is_integer()
+        if not ok or not low <= value <= high:
+            kind = "a whole number" if whole else "a number"
+            raise InputError(f"{where}: `{key}` is {str(value)[:40]!r}; it must be {kind} in {low:g}..{high:g}. "
+                             "Fix the value (or check this is the model's config.json).")
 
 
 def _attention_kind(num_heads: int, num_kv_heads: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -43,6 +44,29 @@ Reader = Callable[[Path], str]
 
 BUILTIN = "builtin:"
 DEFAULT_POLICY = "builtin:default"
+
+EXTENDS_ANYWHERE: ContextVar[bool] = ContextVar("extends_anywhere", default=False)
+"""True lets `extends:` leave the policy's repository (the CLI's --allow-extends-outside sets it).
+
+Off by default: a policy from a pull request must not read (and echo the keys of) any
+file on the machine that runs it."""
+
+
+def extends_root(first: Path) -> Path:
+    """The folder `extends:` paths must stay in: the git work tree holding `first`, else its folder."""
+    folder = first.resolve().parent
+    for candidate in (folder, *folder.parents):
+        if (candidate / ".git").exists():
+            return candidate
+    return folder
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -87,7 +111,7 @@ def _builtin_text(name: str) -> str:
     return f.read_text(encoding="utf-8")
 
 
-def _read(spec: str, base: Path | None, read: Reader) -> tuple[str, str, Path | None]:
+def _read(spec: str, base: Path | None, read: Reader, root: Path | None = None) -> tuple[str, str, Path | None]:
     """(display name, text, folder for relative extends) of a policy reference."""
     if spec.startswith(BUILTIN):
         name = spec[len(BUILTIN):]
@@ -95,6 +119,9 @@ def _read(spec: str, base: Path | None, read: Reader) -> tuple[str, str, Path | 
     path = Path(spec)
     if base is not None and not path.is_absolute():
         path = base / path
+    if root is not None and not _inside(path, root):
+        raise PolicyError(f"{path} is outside {root}, the policy's git work tree (or folder); `extends:` stays inside it "
+                          "(pass --allow-extends-outside to allow it).")
     if base is not None and read is read_text:
         if not path.exists():
             raise PolicyError(f"no such file {path}.")
@@ -119,11 +146,12 @@ def read_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
     layers: list[tuple[str, dict[str, Any]]] = []
     seen: set[str] = set()
     base: Path | None = None
+    root: Path | None = None
     current: str | None = spec
     while current is not None:
         referrer = layers[-1] if layers else None
         try:
-            name, text, folder = _read(current, base, reader)
+            name, text, folder = _read(current, base, reader, root)
         except KvPolicyError as exc:
             if referrer is None:
                 raise
@@ -150,6 +178,8 @@ def read_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
                                             f"`../base.yaml` (found {ext!r}).")
         # Each file on its own first, so that errors point at the right file and line.
         alone = _validate(to_plain(data), data, name, PolicyLayer if ext is not None else Policy)
+        if root is None and folder is not None and not EXTENDS_ANYWHERE.get():
+            root = extends_root(Path(name))
         base = folder
         current = ext
 

@@ -25,7 +25,8 @@ Scalar = Union[bool, int, float, str, None]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities compare false with everything, so a rule or threshold holding one never fires.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ThresholdRef(_Strict):
@@ -114,7 +115,7 @@ class Not(_Strict):
     not_: Condition = Field(alias="not")
     """Sub-condition."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 def _condition_kind(v: Any) -> str:
@@ -396,19 +397,20 @@ class Deployment(_Strict):
     """Model catalog id, HF id or local config path."""
     gpu: str
     """GPU catalog id or alias."""
-    context: Union[Annotated[int, Field(gt=0)], Annotated[str, Field(pattern=r"^\s*\d+(\.\d+)?\s*[kKmM]?\s*$")]] = 32768
+    context: Union[Annotated[int, Field(gt=0, le=16_777_216)],
+                   Annotated[str, Field(max_length=32, pattern=r"^\s*[0-9]+(\.[0-9]+)?\s*[kKmM]?\s*$")]] = 32768
     """Context length (`32k`, `1m` or a number of tokens)."""
     priority: Literal["decode", "prefill", "balanced"] = "decode"
     """decode, prefill or balanced."""
-    concurrency: int = Field(default=1, gt=0)
+    concurrency: int = Field(default=1, gt=0, le=1_000_000)
     """Requests served at once."""
-    tp: int = Field(default=1, gt=0)
+    tp: int = Field(default=1, gt=0, le=1024)
     """Tensor-parallel size."""
     accuracy_floor: float | None = Field(default=None, gt=0, le=1)
     """Accuracy floor (defaults to the policy's threshold)."""
     gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)
     """Fraction of GPU memory vLLM may use."""
-    weights_gb: float | None = Field(default=None, gt=0)
+    weights_gb: float | None = Field(default=None, gt=0, le=1_000_000)
     """Weight memory in GB (1e9 bytes), all ranks together; overrides what kvpolicy derives from the checkpoint."""
 
 

@@ -14,14 +14,16 @@ if TYPE_CHECKING:
     from kvpolicy.inputs.policy_loader import LoadedPolicy
 
 Priority = Literal["decode", "prefill", "balanced"]
+MAX_TOKENS = 16_777_216
+"""Longest context accepted anywhere (16M tokens; the Workload's bound)."""
 
 
 class Workload(BaseModel):
     """What the deployment asks of the GPU."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    context_tokens: int = Field(default=32768, gt=0, le=16_777_216)
+    context_tokens: int = Field(default=32768, gt=0, le=MAX_TOKENS)
     """Context length per request (prompt plus output), in tokens."""
     priority: Priority = "decode"
     """What latency matters most: decode (ITL), prefill (TTFT) or both."""
@@ -35,7 +37,8 @@ class Workload(BaseModel):
     """Fraction of GPU memory vLLM may use (vLLM's default 0.92)."""
 
 
-_TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+_TOKENS = re.compile(r"^\s*([0-9]{1,12}(?:\.[0-9]{1,12})?)\s*([kKmM]?)\s*$")
+"""ASCII digits only (a Unicode digit class would also take full-width and other scripts' digits)."""
 
 
 def parse_tokens(text: str | int, what: str = "--context") -> int:
@@ -44,8 +47,10 @@ def parse_tokens(text: str | int, what: str = "--context") -> int:
         raise InputError(f"{what}: expected a token count such as 32k or 131072, found {text!r}.")
     if isinstance(text, int):
         value = text
+    elif not isinstance(text, str) or len(text) > 40:
+        raise InputError(f"{what}: expected a token count such as 32k or 131072, found {str(text)[:40]!r}.")
     else:
-        m = _TOKENS.match(str(text))
+        m = _TOKENS.match(text)
         if not m:
             raise InputError(
                 f"{what}: `{text}` is not a token count. Write a whole number (131072) or a number with "
@@ -55,6 +60,9 @@ def parse_tokens(text: str | int, what: str = "--context") -> int:
         value = int(float(m.group(1)) * scale)
     if value <= 0:
         raise InputError(f"{what}: must be a positive number of tokens, found {text!r}.")
+    if value > MAX_TOKENS:
+        raise InputError(f"{what}: {str(text)[:40]} is more than {MAX_TOKENS:,} tokens (16m), the most accepted; "
+                         "use a context in 1..16m.")
     return value
 
 

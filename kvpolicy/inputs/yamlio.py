@@ -8,14 +8,12 @@ formatting. Data files of our own use the faster C-backed safe loader.
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.errors import InputError, KvPolicyError, PolicyError, did_you_mean
+from kvpolicy.errors import KvPolicyError, PolicyError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -56,15 +54,11 @@ def error_problems(err: BaseException, fallback_file: str) -> list[Problem]:
 
 
 def read_text(path: Path) -> str:
-    """Read a file, turning OS errors into an InputError that names the file."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{path}: file not found. Check the path (it is relative to {Path.cwd()}).") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a folder, not a YAML file.") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot be read ({exc}).") from None
+    """Read a policy-sized YAML file (regular file, size cap, UTF-8); problems are InputErrors naming it."""
+    from kvpolicy.inputs.safeio import MAX_POLICY_BYTES
+    from kvpolicy.inputs.safeio import read_text as read_checked
+
+    return read_checked(path, what="a policy or test file", max_bytes=MAX_POLICY_BYTES)
 
 
 def load_safe(text: str, where: str) -> Any:
@@ -72,21 +66,38 @@ def load_safe(text: str, where: str) -> Any:
     from ruamel.yaml import YAML
 
     try:
-        return YAML(typ="safe").load(text)
+        data = YAML(typ="safe").load(text)
     except Exception as exc:  # noqa: BLE001 - any parser failure is the file's fault, not ours
         raise located_error([yaml_problem(exc, where)]) from None
+    return _bounded(data, where)
 
 
 def load_roundtrip(text: str, where: str) -> Any:
     """Parse YAML keeping positions, comments and order (ruamel CommentedMap/Seq)."""
     try:
-        return _rt_yaml().load(text)
+        data = _rt_yaml().load(text)
     except Exception as exc:  # noqa: BLE001 - any parser failure is the file's fault, not ours
         raise located_error([yaml_problem(exc, where)]) from None
+    return _bounded(data, where)
+
+
+def _bounded(data: Any, where: str) -> Any:
+    """`data` if its aliases and nesting stay within the caps (checked before anything copies it)."""
+    from kvpolicy.inputs.safeio import YamlRefused, check_yaml_size
+
+    try:
+        check_yaml_size(data)
+    except YamlRefused as exc:
+        pos = position(data, exc.loc)
+        raise located_error([Problem(where, f"refused: {exc}.", pos[0] if pos else None,
+                                     pos[1] if pos else None, kind="yaml")]) from None
+    return data
 
 
 def yaml_problem(exc: BaseException, where: str) -> Problem:
     """A parser exception as a Problem with the line and column of the fault."""
+    if isinstance(exc, RecursionError):
+        return Problem(where, "refused: nested too deeply to parse; flatten the lists and mappings.", kind="yaml")
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
@@ -143,32 +154,10 @@ def dump_roundtrip(data: Any, like: str = "") -> str:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write a file completely or not at all: a temp file in the same folder, then os.replace."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot write ({exc.strerror or exc}). "
-                         f"Check that {folder} exists and is writable.") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise InputError(f"{path}: cannot write ({exc.strerror or exc}). Nothing was changed.") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Replace a file the user named for updating, completely or not at all (never through a symlink)."""
+    from kvpolicy.inputs.safeio import write_text
+
+    write_text(path, text, force=True, what="policy file")
 
 
 def update_yaml_file(path: Path | str, mutate: Callable[[Any], Any]) -> Any:

@@ -13,6 +13,7 @@ won and lost: bench/KERNELS.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kvpolicy.kernels.formats import FP8_E4M3_MAX, PTH_MODE, pth_layout
+from kvpolicy.kernels.guards import check_paged_ranges, check_scales
 from kvpolicy.kernels.launch import (
     LOG2E,
     interpreting,
@@ -588,8 +590,12 @@ def decode_attention(
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.dtype not in (query.dtype, torch.float32) or out.stride(-1) != 1 or out.device != device:
         raise ValueError(f"out: expected {tuple(query.shape)} of {query.dtype} or float32 on {device}, got {out.dtype} {tuple(out.shape)}")
+    check_scales(k_scale=k_scale, v_scale=v_scale)
+    if sm_scale is not None and not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be finite and positive, got {sm_scale}")
     if batch == 0:
         return out
+    check_paged_ranges(block_tables, seq_lens, key_cache.shape[0], page_size, sliding_window)
     if kernel not in ("triton", "gluon", "auto"):
         raise ValueError(f"kernel must be 'triton', 'gluon' or 'auto', got {kernel!r}")
     if num_splits is not None and num_splits < 1:

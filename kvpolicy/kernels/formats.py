@@ -23,6 +23,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+F16_MAX = 65504.0
+"""Largest finite float16 (TurboQuant's stored norm, scale and zero point are fp16)."""
 FP8_E4M3_MAX = 448.0
 """Largest finite e4m3 value: FP8 caches and queries saturate there."""
 

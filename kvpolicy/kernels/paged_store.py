@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kvpolicy.kernels.formats import FP8_E4M3_MAX, PAGED_DTYPES, PTH_MODE, PTH_SCALE_FLOOR, pth_layout
+from kvpolicy.kernels.guards import check_scales, check_slots
 
 _CACHE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, dtype) for name, dtype in PAGED_DTYPES.items()}
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
@@ -175,8 +176,10 @@ def store_kv(
         raise ValueError("pass both k_scale and v_scale, or neither")
     k_stride = check_scale(k_scale, "k_scale", num_kv_heads, device)
     v_stride = check_scale(v_scale, "v_scale", num_kv_heads, device)
+    check_scales(k_scale=k_scale, v_scale=v_scale)
     if num_tokens == 0:
         return
+    check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
     kc = key_cache.view(torch.uint8) if fp8 else key_cache
     vc = value_cache.view(torch.uint8) if fp8 else value_cache
     same_dtype = key.dtype == key_cache.dtype and value.dtype == key_cache.dtype

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kvpolicy.kernels.formats import PAGE as PLANAR_PAGE
 from kvpolicy.kernels.formats import WARP_ORDER_FORMATS, tq_layout
+from kvpolicy.kernels.guards import check_paged_ranges
 from kvpolicy.kernels.launch import LOG2E, interpreting, merge_splits, split_count, split_partials
 from kvpolicy.kernels.reductions import rmax, rsum
 from kvpolicy.kernels.turboquant import k3_program, k4_program, kernel_tables, render_ptx, v3_program, v4_program
@@ -425,6 +426,12 @@ def decode_attention_tq(
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(query.shape)} with a contiguous last dimension; got {tuple(out.shape)}")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"block_tables and seq_lens must be int32; got {block_tables.dtype} and {seq_lens.dtype}")
+    if sm_scale is not None and not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be finite and positive, got {sm_scale}")
+    check_paged_ranges(block_tables, seq_lens, cache.shape[0], PLANAR_PAGE if planar else cache.shape[1],
+                       sliding_window)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if kernel != "triton":
         why = _gluon_refusal(query, cache, fmt)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kvpolicy.kernels.formats import FP8_E4M3_MAX, PAGE, tq_layout
+from kvpolicy.kernels.formats import F16_MAX, FP8_E4M3_MAX, PAGE, tq_layout
 from kvpolicy.kernels.turboquant import (
     codebook_boundaries,
     hadamard_rotation,
@@ -29,10 +29,11 @@ from kvpolicy.kernels.turboquant import (
 def quantize_keys_ref(key: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate, normalise and code keys [..., D]: (codes int64 [..., D], stored fp16 norm as float64 [...]).
 
-    The stored norm is ||k|| / ||c[codes]|| (norm correction folded in), rounded to fp16.
+    The stored norm is ||k|| / ||c[codes]|| (norm correction folded in), rounded to fp16; keys and the
+    stored norm are saturated to the fp16 range first, as the store kernel does.
     """
     d = key.shape[-1]
-    k = key.to(torch.float64)
+    k = key.to(torch.float64).clamp(-F16_MAX, F16_MAX)
     pi = hadamard_rotation(d, device=k.device)
     norm = k.norm(dim=-1)
     u = (k @ pi.T) / torch.where(norm > 0, norm, 1.0)[..., None]
@@ -40,7 +41,7 @@ def quantize_keys_ref(key: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
     # count of thresholds strictly below u: ties go to the lower centroid, as in the kernel
     codes = torch.searchsorted(codebook_boundaries(cb).contiguous(), u.contiguous(), right=False)
     cnorm = cb[codes].norm(dim=-1)
-    stored = (norm / cnorm).to(torch.float16).to(torch.float64)
+    stored = (norm / cnorm).clamp(max=F16_MAX).to(torch.float16).to(torch.float64)
     return codes, stored
 
 
@@ -70,9 +71,10 @@ def quantize_values_ref(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, t
 
     scale = (max - min) / (2^b - 1) and zero = min, both rounded to fp16 before
     coding so that the codes fit the numbers the decoder reads; code =
-    floor((v - zero) / scale + 1/2) clamped to [0, 2^b - 1] (0 when scale is 0).
+    floor((v - zero) / scale + 1/2) clamped to [0, 2^b - 1] (0 when scale is 0). Values are
+    saturated to the fp16 range first, so scale and zero stay finite.
     """
-    v = value.to(torch.float64)
+    v = value.to(torch.float64).clamp(-F16_MAX, F16_MAX)
     levels = 2**bits - 1
     vmin, vmax = v.amin(dim=-1), v.amax(dim=-1)
     scale = ((vmax - vmin) / levels).to(torch.float16).to(torch.float64)

@@ -9,6 +9,9 @@ IEEE fp32 `tl.dot` does the same on the CUDA cores, and took ~70 us per call on
 an H100, one token or sixteen: the whole decode step's cost.) Then it picks the Lloyd-Max code of every
 coordinate, folds the norm correction into the stored fp16 norm, codes the
 values per vector, and writes whole slots. Layouts are in `formats.py`.
+K/V are saturated to the fp16 range first, and the stored norm too, so that finite
+input never stores an infinite norm, scale or zero point (one inf poisons every
+score or value of the head it lands in).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import triton
 import triton.language as tl
 
 from kvpolicy.kernels.reductions import rmax, rmin, rsum
-from kvpolicy.kernels.formats import FP8_E4M3_MAX, tq_layout
+from kvpolicy.kernels.formats import F16_MAX, FP8_E4M3_MAX, tq_layout
 from kvpolicy.kernels.formats import PAGE as PLANAR_PAGE
+from kvpolicy.kernels.guards import check_slots
 from kvpolicy.kernels.launch import interpreting
 from kvpolicy.kernels.turboquant import kernel_tables
+
+_F16_MAX = tl.constexpr(F16_MAX)
 
 
 @triton.jit
@@ -88,6 +94,7 @@ def _store_kv_tq_kernel(
         C: tl.constexpr = HEAD_DIM // NCH
         E: tl.constexpr = HEAD_DIM // 8
         HALF: tl.constexpr = 2 ** (KEY_BITS - 1)
+        k = tl.minimum(tl.maximum(k, -_F16_MAX), _F16_MAX)
         knorm = tl.sqrt(rsum(k * k, axis=1))
         inv = tl.where(knorm > 0, 1.0 / tl.where(knorm > 0, knorm, 1.0), 0.0)
         cols_c = tl.arange(0, C)
@@ -126,12 +133,13 @@ def _store_kv_tq_kernel(
             cols_e = HEAD_DIM // 4 + tl.arange(0, E)  # the 1-bit plane follows the 2-bit one in the slot
             tl.store(cache_u8_ptr + _at(base, dest, cols_e, valid, PLANAR), plane1.to(tl.uint8),
                      mask=valid[:, None])
-        stored = knorm / tl.sqrt(csq)
+        stored = tl.minimum(knorm / tl.sqrt(csq), _F16_MAX)
         tl.store(cache_f16_ptr + _at16(base, dest, KNORM_OFF, valid, PLANAR), stored.to(tl.float16), mask=valid)
 
     # ---- values ----
     LEVELS: tl.constexpr = 2**V_BITS - 1
     v = tl.load(v_row + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    v = tl.minimum(tl.maximum(v, -_F16_MAX), _F16_MAX)
     vmin = rmin(v, axis=1)
     vmax = rmax(v, axis=1)
     # code against the fp16-rounded scale and zero, the numbers the decoder will read
@@ -146,6 +154,7 @@ def _store_kv_tq_kernel(
     vplane1 = tl.full([BLOCK_T, VE], 0, dtype=tl.int32)
     for c in tl.static_range(VNCH):
         vc = tl.load(v_row + (c * VC + cols_v)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        vc = tl.minimum(tl.maximum(vc, -_F16_MAX), _F16_MAX)
         code = tl.floor((vc - zero[:, None]) / safe[:, None] + 0.5)
         code = tl.minimum(tl.maximum(code, 0.0), LEVELS)
         code = tl.where(scale[:, None] > 0, code, 0.0).to(tl.int32)
@@ -201,6 +210,7 @@ def store_kv_tq(
         raise ValueError(f"block_t must be a power of two >= 16 (tl.dot), got {block_t}")
     if t == 0:
         return
+    check_slots(slot_mapping, cache.shape[0] * (PLANAR_PAGE if planar else cache.shape[1]))
     tabs = kernel_tables(fmt, d, cache.device)
     grid = (triton.cdiv(t, block_t), h)
     _store_kv_tq_kernel[grid](

@@ -10,7 +10,6 @@ writes the recipe and prints the command.
 from __future__ import annotations
 
 import importlib.util
-import json
 import shlex
 from pathlib import Path
 from typing import Literal
@@ -72,9 +71,14 @@ def checkpoint_strategy(model_ref: str) -> str | None:
     config = path if path.name == "config.json" else path / "config.json"
     if not config.is_file():
         return None
+    from kvpolicy.errors import InputError
+    from kvpolicy.inputs.safeio import MAX_CONFIG_BYTES, read_json
+
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(config, what="config.json", max_bytes=MAX_CONFIG_BYTES)
+    except InputError:
+        return None
+    if not isinstance(data, dict):
         return None
     quant = data.get("quantization_config") or data.get("compression_config") or {}
     scheme = quant.get("kv_cache_scheme") if isinstance(quant, dict) else None

@@ -8,6 +8,7 @@ installed kvpolicy.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +29,21 @@ def split_revision(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
+_REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./~^@{}:+-]{0,199}")
+"""What a commit, branch, tag or `HEAD~1`-style expression looks like; never an option (no leading `-`)."""
+
+
+def check_revision(rev: str) -> str:
+    """`rev` if it can only be a revision; git is also handed it after `--end-of-options`."""
+    if not _REVISION.fullmatch(rev) or ".." in rev or ":" in rev:
+        raise InputError(f"`{rev[:80]}` is not a git revision kvpolicy accepts: use a commit, branch or tag "
+                         "(letters, digits and _ . / ~ ^ @ { } + -, not starting with `-`), e.g. HEAD~1.")
+    return rev
+
+
 def git_reader(rev: str) -> Reader:
     """A Reader that returns a file's text at git revision `rev`."""
+    check_revision(rev)
 
     def read(path: Path) -> str:
         folder = path.parent if str(path.parent) else Path(".")
@@ -38,16 +52,22 @@ def git_reader(rev: str) -> Reader:
             rel = Path(folder.name) / rel
             folder = folder.parent
         try:
-            proc = subprocess.run(["git", "show", f"{rev}:./{rel.as_posix()}"], cwd=folder or ".",
-                                  capture_output=True, text=True, timeout=60, check=False)
+            proc = subprocess.run(["git", "show", "--end-of-options", f"{rev}:./{rel.as_posix()}"],
+                                  cwd=folder or ".", capture_output=True, timeout=60, check=False)
         except FileNotFoundError:
             raise InputError("git is not installed (or not on PATH); compare two files instead: "
                              "`kvpolicy diff OLD.yaml NEW.yaml`.") from None
         except (OSError, subprocess.SubprocessError) as exc:
             raise InputError(f"{path}@{rev}: cannot run git ({exc}).") from None
         if proc.returncode == 0:
-            return proc.stdout
-        err = (proc.stderr.strip().splitlines() or ["git show failed"])[-1].removeprefix("fatal: ").rstrip(".")
+            from kvpolicy.inputs.safeio import MAX_POLICY_BYTES, decode_utf8
+
+            if len(proc.stdout) > MAX_POLICY_BYTES:
+                raise InputError(f"{path}@{rev}: {len(proc.stdout):,} bytes, over the {MAX_POLICY_BYTES:,}-byte "
+                                 "limit for a policy file.")
+            return decode_utf8(proc.stdout, f"{path}@{rev}")
+        stderr = proc.stderr.decode("utf-8", "replace")
+        err = (stderr.strip().splitlines() or ["git show failed"])[-1].removeprefix("fatal: ").rstrip(".")
         if "not a git repository" in err:
             raise InputError(f"{path}@{rev}: {folder.resolve()} is not inside a git repository. Run from a "
                              "checkout, or compare two files: `kvpolicy diff OLD.yaml NEW.yaml`.")

@@ -87,6 +87,15 @@ def _with_schema(text: str, ref: str | None) -> str:
     return out.lstrip("\n") if not ref else out
 
 
+def _yaml_name(name: str) -> str:
+    """`name` as one YAML scalar: plain when safe, else double-quoted (a quote or newline never adds keys)."""
+    if not name.strip() or len(name) > 200 or any(ord(c) < 32 or c == "\x7f" for c in name):
+        raise InputError(f"--name {name[:60]!r}: a policy name is one line of at most 200 printable characters.")
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\- ]*", name) and not name.endswith(" "):
+        return name
+    return json.dumps(name, ensure_ascii=False)
+
+
 def write_starter(folder: Path, *, force: bool = False, name: str | None = None,
                   schema_ref: str | None = None) -> list[str]:
     """Write kvpolicy.yaml and kvpolicy_test.yaml into `folder` (never over existing files unless `force`)."""
@@ -99,8 +108,14 @@ def write_starter(folder: Path, *, force: bool = False, name: str | None = None,
                          "never overwrites. Edit the file, or rerun with --force to replace it.")
     policy_ref, test_ref, schema_files = _refs(folder, schema_ref, force)
     policy_text = _with_schema(_template(POLICY_FILE), policy_ref)
-    policy_text = re.sub(r"^name: .*$", f"name: {name or _default_name(folder)}", policy_text, count=1, flags=re.M)
+    policy_text = re.sub(r"^name: .*$", lambda _: f"name: {_yaml_name(name or _default_name(folder))}", policy_text,
+                         count=1, flags=re.M)
     test_text = _with_schema(_template(TEST_FILE), test_ref)
+    from kvpolicy.inputs.safeio import check_writable
+
+    for path in [*targets, *(p for p, _ in schema_files)]:  # refuse before the first file changes
+        if path.parent.is_dir():
+            check_writable(path, force=True, what="starter file")
     lines = []
     for path, text in schema_files:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from kvpolicy.inputs.policy_schema import Scalar, ScaleSource, TwoLevel
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class TestInputs(_Strict):
@@ -28,9 +28,9 @@ class TestInputs(_Strict):
     """Context length (`32k` or a number of tokens)."""
     priority: Literal["decode", "prefill", "balanced"] | None = None
     """decode, prefill or balanced."""
-    concurrency: int | None = Field(default=None, gt=0)
+    concurrency: int | None = Field(default=None, gt=0, le=1_000_000)
     """Requests served at once."""
-    tp: int | None = Field(default=None, gt=0)
+    tp: int | None = Field(default=None, gt=0, le=1024)
     """Tensor-parallel size."""
     accuracy_floor: float | None = Field(default=None, gt=0, le=1)
     """Accuracy floor."""

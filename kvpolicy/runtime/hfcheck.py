@@ -196,10 +196,9 @@ def load_tokens(folder: Path, text_path: Path | None, max_tokens: int, vocab_siz
         tok = None
     if tok is not None:
         if text_path:
-            try:
-                text, name = text_path.read_text(encoding="utf-8"), f"`{text_path}`"
-            except (OSError, UnicodeDecodeError) as exc:
-                raise InputError(f"--text {text_path}: cannot be read ({exc}). Pass a UTF-8 text file.") from None
+            from kvpolicy.inputs.safeio import MAX_TEXT_BYTES, read_text
+
+            text, name = read_text(text_path, what="--text", max_bytes=MAX_TEXT_BYTES), f"`{text_path}`"
         else:
             text, name = builtin_text()
         ids = tok(text, return_tensors="pt").input_ids[:, :max_tokens]

@@ -51,6 +51,7 @@ from kvpolicy.service.api import (
     check_result,
     field_errors,
 )
+from kvpolicy.service.limits import Limits
 from kvpolicy.service.metrics import Metrics
 from kvpolicy.service.plan_api import PlanRequest, evaluate_plan
 from kvpolicy.service.reload import PolicyHolder, Snapshot
@@ -132,7 +133,11 @@ def check(snap: Snapshot, body: CheckRequest) -> CheckResponse:
 
 
 def parse(raw: bytes, body: type[BaseModel]) -> Any:
-    """Validate a JSON body: malformed JSON is 400, a well-formed body with bad fields 422."""
+    """Validate a JSON body: malformed JSON (or a key given twice) is 400, a well-formed body with bad fields 422."""
+    duplicate = _duplicate_key(raw)
+    if duplicate:
+        raise ServiceError(400, "invalid_json", f"key `{duplicate[:80]}` appears twice in one object; send it once.",
+                           "body", [FieldError(location="body", detail=f"duplicate key `{duplicate[:80]}`")])
     try:
         return body.model_validate_json(raw)
     except ValidationError as exc:
@@ -144,6 +149,23 @@ def parse(raw: bytes, body: type[BaseModel]) -> Any:
                            detail + "." + hint, errors[0].location, errors) from None
 
 
+def _duplicate_key(raw: bytes) -> str | None:
+    """The first key repeated within one JSON object (the last would silently win), or None."""
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        if not found and len(set(keys)) != len(keys):
+            found.append(next(k for i, k in enumerate(keys) if k in keys[:i]))
+        return {}
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None  # malformed: the validator below says where
+    return found[0] if found else None
+
+
 _SCHEMA_FILES = {RecommendRequest: "serve-recommend-request.schema.json",
                  CheckRequest: "serve-check-request.schema.json",
                  PlanRequest: "serve-plan-request.schema.json"}
@@ -152,8 +174,22 @@ _SCHEMA_FILES = {RecommendRequest: "serve-recommend-request.schema.json",
 # -- HTTP plumbing ----------------------------------------------------------------------------
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refused with 413 as soon as it passes `limit` bytes (whatever Content-Length says)."""
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout_s: float | None = None) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes (whatever Content-Length says),
+    and with 408 when it has not all arrived within `timeout_s` seconds."""
+    import asyncio
+
+    if timeout_s is None:
+        timeout_s = request.app.state.limits.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise ServiceError(408, "invalid_request", f"the request body did not arrive within {timeout_s:g} s.",
+                           "body", headers={"Connection": "close"}) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     too_large = ServiceError(413, "body_too_large", f"the request body is larger than {limit:,} bytes; "
                              "send fewer deployments per request.", "body", headers={"Connection": "close"})
     declared = request.headers.get("content-length", "")
@@ -295,7 +331,7 @@ class _Instrument:
                                          time.perf_counter() - start)
 
 
-def create_app(holder: PolicyHolder, *, reload_interval_s: float = 1.0) -> ASGIApp:
+def create_app(holder: PolicyHolder, *, reload_interval_s: float = 1.0, limits: Limits | None = None) -> ASGIApp:
     """The ASGI app serving `holder`'s policy; the file is polled every `reload_interval_s` (0 = never)."""
     import contextlib
 
@@ -341,4 +377,5 @@ def create_app(holder: PolicyHolder, *, reload_interval_s: float = 1.0) -> ASGIA
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         ServiceError: service_error, HTTPException: http_error, Exception: internal_error})
     app.state.service = service
+    app.state.limits = limits or Limits()
     return _Instrument(app, service)

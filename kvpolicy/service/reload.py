@@ -5,8 +5,12 @@ a request reads it once, a reload replaces it in one assignment, so no answer
 ever mixes two versions. A new version is loaded, reference-checked and
 smoke-evaluated before it replaces the old one; a broken edit is logged and
 counted, and the last good policy keeps serving. Changes are found by polling
-the files' mtime and size (no extra dependency; a change is read once it has
-held still for one poll interval) and on SIGHUP.
+the files' mtime and size (no extra dependency) and on SIGHUP. A changed file is
+read only once its size and mtime have held still for the settle time, and the
+result is thrown away (and retried) if they moved while it was being read, so a
+writer that pauses half-way is not served; replacing the file atomically (temp
+file + rename) is still the only way to be sure, and what the docs ask for.
+Loading runs in a worker thread: answering never waits for a reload.
 """
 
 from __future__ import annotations
@@ -91,9 +95,11 @@ def validate(spec: str) -> LoadedPolicy:
 class PolicyHolder:
     """The serving policy, its reload history, and the watcher that keeps it current."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, *, settle_s: float = 2.0) -> None:
         """Load `spec` (a path or `builtin:NAME`); a broken policy raises here, before anything serves."""
         self.spec = spec
+        self.settle_s = settle_s
+        """Seconds a changed file must keep its size and mtime before it is read."""
         self.current = Snapshot(validate(spec), spec, time.time())
         self.reloads: Counter[str] = Counter()
         """Reload attempts by result: accepted, rejected, unchanged."""
@@ -119,16 +125,30 @@ class PolicyHolder:
                 out.append((str(path), -1, -1))
         return tuple(out)
 
-    def reload(self, reason: str) -> str:
-        """Validate the file again and swap it in if it is good and new; returns accepted/rejected/unchanged."""
+    def reload(self, reason: str, expect: tuple[tuple[str, int, int], ...] | None = None) -> str:
+        """Validate the file again and swap it in if it is good, new and was not being written while read.
+
+        Returns accepted, rejected, unchanged, or deferred (the files moved between the settle
+        check and the end of the read: nothing is swapped, the poller tries again).
+        """
         old = self.current
+        before = self.signature()
+        if expect is not None and before != expect:
+            return "deferred"
         try:
             loaded = validate(self.spec)
         except Exception as exc:  # noqa: BLE001 - any failure rejects the edit; the old policy keeps serving
-            result, error = "rejected", f"{type(exc).__name__}: {exc}"
-            log.error("policy reload (%s) rejected, still serving %s:\n%s", reason, old.label, error)
+            loaded, error = None, f"{type(exc).__name__}: {exc}"
         else:
             error = None
+        if self.signature() != before:
+            log.info("policy reload (%s) deferred: the file changed while it was being read", reason)
+            self.reloads["deferred"] += 1
+            return "deferred"
+        if loaded is None:
+            result = "rejected"
+            log.error("policy reload (%s) rejected, still serving %s:\n%s", reason, old.label, error)
+        else:
             if loaded.content_hash == old.hash:
                 result = "unchanged"
             else:
@@ -139,25 +159,27 @@ class PolicyHolder:
         self.last_reload = {"result": result, "reason": reason, "at": time.time(), "error": error}
         return result
 
-    async def reload_async(self, reason: str) -> str:
-        """`reload` in a worker thread (loading takes tens of ms), one at a time."""
+    async def reload_async(self, reason: str, expect: tuple[tuple[str, int, int], ...] | None = None) -> str:
+        """`reload` in a worker thread (loading takes tens of ms), one at a time; answering goes on meanwhile."""
         async with self._lock:
-            return await asyncio.to_thread(self.reload, reason)
+            return await asyncio.to_thread(self.reload, reason, expect)
 
     async def _poll(self, interval_s: float) -> None:
         pending = None
+        since = 0.0
         while True:
             await asyncio.sleep(interval_s)
             now = self.signature()
             if now == self._seen:
                 pending = None
             elif now != pending:
-                # Changed since the last look: wait until it holds still for one interval, so a
+                # Changed since the last look: wait until it holds still for the settle time, so a
                 # write in progress is not read half-done.
-                pending = now
-            else:
-                self._seen, pending = now, None
-                await self.reload_async("file changed")
+                pending, since = now, time.monotonic()
+            elif time.monotonic() - since >= self.settle_s:
+                pending = None
+                if await self.reload_async("file changed", expect=now) != "deferred":
+                    self._seen = now
 
     def _on_sighup(self) -> None:
         task = asyncio.get_running_loop().create_task(self.reload_async("SIGHUP"))

@@ -334,7 +334,7 @@ def test_deployment_reads_kvpolicy_yaml_in_this_folder(capsys, no_vllm, tmp_path
     (tmp_path / "kvpolicy.yaml").write_text("version: 1\nextends: builtin:default\ndeployments:\n"
                                             "  - {name: chat, model: qwen3-30b-a3b, gpu: h100, context: 256k}\n")
     monkeypatch.chdir(tmp_path)
-    extra = {"apply": ["--dry-run"], "calibrate": ["--emit-recipe", "r.yaml"], "explain": []}[command]
+    extra = {"apply": ["--dry-run"], "calibrate": ["--emit-recipe", "r.yaml", "--strategy", "tensor"], "explain": []}[command]
     code, out, err = run_cli(capsys, command, "-d", "chat", *extra)
     assert code == 0, err
     said = out + err + ((tmp_path / "r.yaml").read_text() if command == "calibrate" else "")

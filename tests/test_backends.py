@@ -135,7 +135,7 @@ def test_check_strict_and_apply_strict_refuse_the_same(capsys, no_vllm):  # noqa
     for dep in ("chat-llama-8b", "rag-gpt-oss", "agent-kimi", "batch-summarize", "search-qwen-b200"):
         check_code, check_out, _ = run_cli(capsys, "check", str(TEAM), "-d", dep, "--strict", "--format", "json")
         apply_code, _, apply_err = run_cli(capsys, "apply", "-p", str(TEAM), "-d", dep, "--dry-run", "--strict")
-        warned = [w for w in json.loads(check_out)["deployments"][0]["warnings"]
+        warned = [w for w in json.loads(check_out)["results"][0]["report"]["warnings"]
                   if w.startswith("stock vLLM cannot carry out")]
         assert bool(warned) == (apply_code == 1), (dep, warned, apply_err)
 

@@ -200,10 +200,9 @@ def test_each_figure_is_computed_once_and_the_estimates_match_the_facts(builtin,
 @pytest.mark.parametrize(("context", "provenance"), [(262144, "measured"), (1048576, "extrapolated")])
 def test_accuracy_beyond_the_measured_contexts_is_labelled_extrapolated(context, provenance):
     """The study measured FP8 MRCR up to 256k; its figure applied at 1M must not read as measured."""
-    loaded = load_policy()
-    rec = recommend(resolve_model("gpt-oss-20b"), resolve_gpu("h100"),
-                    make_workload(loaded, context=context), loaded)
-    acc = rec.estimates.accuracy_recovery
+    from kvpolicy.facts.estimates import recovery
+
+    acc = recovery(load_policy().policy, "fp8", context, resolve_model("qwen3-30b-a3b"), resolve_gpu("h100"))
     assert acc.provenance == provenance
     if provenance == "extrapolated":
         assert acc.value == 0.93 and "measured up to 262,144 tokens, extrapolated to 1,048,576" in acc.basis

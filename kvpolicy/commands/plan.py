@@ -25,7 +25,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-gb", type=float, default=None,
                         help="weight memory in GB, all ranks together (overrides the derived figure)")
     parser.add_argument("--policy", "-p", default=None, help="policy file (default: builtin:default)")
-    parser.add_argument("--format", "-f", choices=("table", "json"), default="table")
+    parser.add_argument("--format", "-f", choices=("table", "json"), default="table",
+                        help="table (default) or json (the `POST /v1/plan` document)")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="write the Pareto plot (tokens/s per user vs per GPU) here (needs the plot extra)")
     parser.add_argument("--force", action="store_true", help="replace an existing --plot file")

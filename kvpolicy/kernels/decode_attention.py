@@ -727,6 +727,7 @@ def decode_attention_pth(
             raise ValueError(f"{name}: on {t.device}, query is on {device}")
     if fp8_query and fmt != "fp8_per_token_head":
         raise ValueError("fp8_query applies to fp8_per_token_head only")
+    check_paged_ranges(block_tables, seq_lens, cache.shape[0], cache.shape[1], sliding_window)
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,) or sinks.device != device):
         raise ValueError(f"sinks: expected float32 [{num_q_heads}] on {device}, got {sinks.dtype} {tuple(sinks.shape)}")
     if sliding_window is not None and sliding_window <= 0:

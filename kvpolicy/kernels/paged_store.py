@@ -400,6 +400,7 @@ def store_kv_pth(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, sl
             raise ValueError(f"{name}: on {t.device}, the cache is on {cache.device}")
     if num_tokens == 0:
         return
+    check_slots(slot_mapping, cache.shape[0] * cache.shape[1])
     if fmt == "int4_per_token_head":
         key, value = rotate_kv(key), rotate_kv(value)
     key, value = key.contiguous(), value.contiguous()

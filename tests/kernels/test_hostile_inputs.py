@@ -132,3 +132,21 @@ def test_reference_saturates_like_the_kernel() -> None:
 def test_tq_store_saturates_to_fp16_on_the_gpu(fmt: str) -> None:
     fields, out = _store_and_decode(fmt, "cuda")
     _assert_finite(fmt, fields, out)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"])
+def test_per_token_head_entry_points_refuse_out_of_range_indices(device: str, fmt: str) -> None:
+    from kvpolicy.kernels.decode_attention import decode_attention_pth
+    from kvpolicy.kernels.paged_store import allocate_pth_cache, store_kv_pth
+
+    cache = allocate_pth_cache(BLOCKS, PAGE, HKV, D, fmt, device)
+    kv = torch.randn(2, HKV, D, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"slot {BLOCKS * PAGE}; the cache has {BLOCKS * PAGE} slots"):
+        store_kv_pth(kv, kv, cache, torch.tensor([0, BLOCKS * PAGE], device=device), fmt)
+    q = torch.randn(1, 4, D, device=device, dtype=torch.bfloat16)
+    bt = torch.arange(BLOCKS, dtype=torch.int32, device=device)[None, :]
+    with pytest.raises(ValueError, match=rf"seq_lens must be in 1\.\.{BLOCKS * PAGE}"):
+        decode_attention_pth(q, cache, bt, torch.tensor([0], dtype=torch.int32, device=device), fmt)
+    bt[0, 0] = BLOCKS
+    with pytest.raises(ValueError, match="outside the cache"):
+        decode_attention_pth(q, cache, bt, torch.tensor([3], dtype=torch.int32, device=device), fmt)

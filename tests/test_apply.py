@@ -230,7 +230,7 @@ def test_strict_refuses_two_level_off(capsys, no_vllm, tmp_path):
 
 
 def test_strict_refuses_per_head_scales_without_a_calibrated_checkpoint(capsys, no_vllm):
-    code, _, err = run_cli(capsys, "apply", "-m", "qwen3-30b-a3b", "-g", "h100", "-c", "256k", "--dry-run",
+    code, _, err = run_cli(capsys, "apply", "-m", "qwen3-30b-a3b-2507", "-g", "h100", "-c", "256k", "--dry-run",
                            "--strict")
     assert code == 1 and "per-head FP8 scales" in err and "llm-compressor" in err
 
@@ -331,7 +331,7 @@ def test_recipe_calibrates_only_the_kv_cache(strategy):
 
 
 @pytest.mark.parametrize(("args", "strategy"), [
-    (["-m", "qwen3-30b-a3b", "-g", "h100", "-c", "256k"], "attn_head"),
+    (["-m", "qwen3-30b-a3b-2507", "-g", "h100", "-c", "256k"], "attn_head"),
     (["-m", "llama-3.1-8b-instruct", "-g", "b200", "-c", "128k", "--accuracy-floor", "0.999"], "tensor"),
 ])
 def test_calibrate_writes_the_decisions_strategy(capsys, tmp_path, args, strategy):

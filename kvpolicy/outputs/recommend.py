@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvpolicy.facts.build import build_facts
 from kvpolicy.facts.estimates import Figures, estimate
+from kvpolicy.facts.limits import check_request, startup_blockers
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_loader import LoadedPolicy
@@ -19,7 +20,11 @@ from kvpolicy.rules.engine import decide
 
 
 def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedPolicy) -> Recommendation:
-    """Decide the KV cache for one deployment and explain it."""
+    """Decide the KV cache for one deployment and explain it.
+
+    A context or TP size vLLM refuses raises LimitError before anything is decided.
+    """
+    limit_warnings = check_request(arch, workload)
     # load_policy() already rejected unknown facts, thresholds and dtypes.
     policy = loaded.policy
     figures = Figures(policy, arch, gpu, workload)
@@ -38,7 +43,8 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
         decision=decision,
         vllm_args=serve_args(decision, workload),
         estimates=ests,
-        warnings=outcome.warnings,
+        warnings=limit_warnings + outcome.warnings,
+        blockers=startup_blockers(arch, gpu, workload, decision.kv_cache_dtype, decision.skip_layers),
         alternatives=outcome.alternatives,
         evidence=evidence,
         trace=Trace.model_validate(outcome.trace),

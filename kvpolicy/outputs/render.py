@@ -63,6 +63,8 @@ def render(rec: Recommendation, fmt: str, *, model_ref: str | None = None, expla
         print(to_yaml(rec), end="")
     elif fmt == "args":
         print(" ".join(shlex.quote(a) for a in rec.vllm_args))
+        for msg in rec.blockers:  # never a command vLLM refuses without saying so
+            sys.stderr.write(f"kvpolicy: vLLM would refuse to start with these flags: {msg}\n")
     else:
         _render_rich(rec, model_ref or rec.model, explain=explain)
 
@@ -106,8 +108,12 @@ def _render_rich(rec: Recommendation, model_ref: str, explain: bool) -> None:
              f"concurrency {w.concurrency}")
     parts: list[Any] = [head, Text(""), est]
     console.print(Panel(Group(*parts), title=title, subtitle=rec.policy, expand=False))
-    console.print(Text("vLLM command", style="bold"))
+    console.print(Text("vLLM command", style="bold")
+                  + (Text("  (vLLM would refuse to start with it: see ✗ below)", style="bold red")
+                     if rec.blockers else Text("")))
     console.print("  " + shell_command(model_ref, rec.vllm_args), soft_wrap=True, highlight=False, markup=False)
+    for msg in rec.blockers:
+        console.print(Text("✗ ", style="bold red") + Text(msg), soft_wrap=True)
     for msg in rec.warnings:
         console.print(Text("! ", style="bold yellow") + Text(msg), soft_wrap=True)
     for msg in rec.alternatives:

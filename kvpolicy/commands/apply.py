@@ -129,7 +129,8 @@ def stock_gaps(rec: Recommendation, arch: ModelArch, model_ref: str) -> list[str
     if decision.two_level_accumulation == "off":
         gaps.append("two-level accumulation off: stock vLLM FA3 FP8 builds always use it; turning it off needs a "
                     "custom vllm-flash-attn build with FLASH_ATTENTION_DISABLE_FP8_TWO_LEVEL_ACCUMULATION=TRUE.")
-    scales = scale_gap(decision, model_ref)
+    from_checkpoint = rec.trace.fields["scale_source"].decided_by == "checkpoint"
+    scales = None if from_checkpoint else scale_gap(decision, model_ref)
     if scales:
         gaps.append(scales)
     if decision.scale_source == "checkpoint_per_head" and decision.attention_backend not in (None, "FLASH_ATTN"):

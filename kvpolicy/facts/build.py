@@ -31,6 +31,10 @@ FACTS: dict[str, str] = {
     "model.sliding_window": "sliding window in tokens (absent when none)",
     "model.is_hybrid": "more than one kind of layer cache (sliding, chunked, recurrent or shared beside full)",
     "model.has_attention_sinks": "learned attention sinks (gpt-oss)",
+    "model.checkpoint_kv_dtype": "what `--kv-cache-dtype auto` stores for this checkpoint when its quantization "
+                                 "config makes it quantized (fp8, fp8_e4m3, nvfp4; absent: the model dtype)",
+    "model.checkpoint_kv_scales": "per_tensor or per_head when the checkpoint declares FP8 KV scales that vLLM "
+                                  "loads into an FP8 cache (kv_cache_scheme; absent when none)",
     "gpu.id": "catalog id of the GPU",
     "gpu.vendor": "nvidia or amd",
     "gpu.generation": "ampere, ada, hopper, blackwell, cdna3 or cdna4",
@@ -92,6 +96,8 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
         "model.sliding_window": arch.sliding_window if arch.count("sliding") else None,
         "model.is_hybrid": arch.is_hybrid,
         "model.has_attention_sinks": arch.has_attention_sinks,
+        "model.checkpoint_kv_dtype": arch.auto_kv_dtype if arch.auto_kv_dtype != "auto" else None,
+        "model.checkpoint_kv_scales": arch.checkpoint_kv_scales,
         "gpu.id": gpu.id,
         "gpu.vendor": gpu.vendor,
         "gpu.generation": gpu.generation,
@@ -106,14 +112,15 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
         "workload.accuracy_floor": workload.accuracy_floor,
     }
     f["memory.weights_fit"] = fig.budget > 0
-    conc = {dtype: fig.max_concurrency(dtype) for dtype in ("auto", "fp8", "turboquant_4bit_nc")}
+    conc = {dtype: fig.max_concurrency(fig.bf16 if dtype == "auto" else dtype)
+            for dtype in ("auto", "fp8", "turboquant_4bit_nc")}
     f["memory.max_concurrency_bf16"] = conc["auto"]
     f["memory.max_concurrency_fp8"] = conc["fp8"]
     f["memory.max_concurrency_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"]
     f["memory.fits_bf16"] = conc["auto"] >= workload.concurrency
     f["memory.fits_fp8"] = conc["fp8"] >= workload.concurrency
     f["memory.fits_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"] >= workload.concurrency
-    need = fig.plan("auto").request_bytes * workload.concurrency
+    need = fig.plan(fig.bf16).request_bytes * workload.concurrency
     f["memory.pressure_bf16"] = round(need / fig.budget, 3) if fig.budget > 0 else None
 
     variants = [fig.break_even("fp8", [], f)]

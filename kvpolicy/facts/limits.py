@@ -67,6 +67,10 @@ def startup_blockers(arch: ModelArch, gpu: GpuSpec, workload: Workload, dtype: s
     out: list[str] = []
     if kv_plan.problem:
         out.append(f"vLLM 0.33 cannot lay out this KV cache: {kv_plan.problem}.")
+    if dtype == "fp8_e5m2" and _loads_kv_scales(arch):
+        out.append(f"vLLM refuses fp8_e5m2 with this checkpoint ({arch.quant_method} quantization loads FP8 "
+                   "k/v scales): \"fp8_e5m2 kv-cache is not supported with fp8 checkpoints\" "
+                   "(model_executor/layers/attention/attention.py _init_kv_cache_quant); use fp8 or auto.")
     ctx, tp = workload.context_tokens, workload.tp
     per_rank = arch.weight_bytes / tp / 1e9
     if budget <= 0:
@@ -126,3 +130,11 @@ def _longest_context(arch: ModelArch, gpu: GpuSpec, workload: Workload, dtype: s
         else:
             hi = mid - 1
     return lo * 1024
+
+
+def _loads_kv_scales(arch: ModelArch) -> bool:
+    """Whether the checkpoint's quant config hands attention layers a KV-cache method (`BaseKVCacheMethod`):
+    Fp8Config always (`Attention` only), the others when they declare a KV scheme; ModelOpt also for MLA."""
+    if arch.kv_cache_scheme is not None:
+        return arch.attention != "mla" or arch.kv_cache_scheme.method in ("modelopt", "modelopt_fp4")
+    return arch.quant_method == "fp8" and arch.attention != "mla"

@@ -15,7 +15,7 @@ from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.policy_loader import LoadedPolicy
 from kvpolicy.inputs.workload import Workload
 from kvpolicy.outputs.vllm_flags import serve_args
-from kvpolicy.rules.decision import EvidenceRef, Recommendation, Trace
+from kvpolicy.rules.decision import Decision, EvidenceRef, Recommendation, Trace
 from kvpolicy.rules.engine import decide
 
 
@@ -43,9 +43,18 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
         decision=decision,
         vllm_args=serve_args(decision, workload),
         estimates=ests,
-        warnings=limit_warnings + outcome.warnings,
+        warnings=limit_warnings + _checkpoint_notes(arch, decision) + outcome.warnings,
         blockers=startup_blockers(arch, gpu, workload, decision.kv_cache_dtype, decision.skip_layers),
         alternatives=outcome.alternatives,
         evidence=evidence,
         trace=Trace.model_validate(outcome.trace),
     )
+
+
+def _checkpoint_notes(arch: ModelArch, decision: Decision) -> list[str]:
+    """What `--kv-cache-dtype auto` means for a checkpoint whose quantization config quantizes the KV cache."""
+    if decision.kv_cache_dtype != "auto" or arch.auto_kv_dtype == "auto":
+        return []
+    return [f"--kv-cache-dtype auto stores {arch.auto_kv_dtype} for this checkpoint ({arch.auto_kv_basis}); "
+            f"the figures are {arch.auto_kv_dtype}'s. To keep the model dtype instead, pass --kv-cache-dtype "
+            f"{arch.model_dtype} (an explicit dtype wins)."]

@@ -80,7 +80,9 @@ def _render_rich(rec: Recommendation, model_ref: str, explain: bool) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("KV-cache dtype", d.kv_cache_dtype + ("  (BF16, the model dtype)" if d.kv_cache_dtype == "auto" else ""))
+    stored = rec.trace.facts.get("model.checkpoint_kv_dtype")
+    auto = f"  ({stored}, from the checkpoint's quantization config)" if stored else "  (BF16, the model dtype)"
+    head.add_row("KV-cache dtype", d.kv_cache_dtype + (auto if d.kv_cache_dtype == "auto" else ""))
     head.add_row("skip layers", ", ".join(d.skip_layers) or "none")
     head.add_row("two-level accumulation", d.two_level_accumulation.replace("_", " "))
     head.add_row("scale source", d.scale_source.replace("_", " "))
@@ -139,7 +141,7 @@ def _render_trace(console: Any, rec: Recommendation, full: bool) -> None:
         mark = "[green]✓[/]" if o.matched else "[dim]·[/]"
         table.add_row(o.id, o.name, mark, ", ".join(o.decided) or ("(lost)" if o.overridden else ""), o.reason)
     for name, f in fields.items():
-        if f.decided_by == "default" or f.decided_by.startswith("pin:"):
+        if f.decided_by in ("default", "checkpoint") or f.decided_by.startswith("pin:"):
             table.add_row(f.decided_by, name, "", name, f"value {f.value!r}")
     console.print(table)
     if not full:

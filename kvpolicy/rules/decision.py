@@ -60,7 +60,7 @@ class FieldTrace(_Model):
     value: Any
     """Final value."""
     decided_by: str
-    """Rule id, `pin:<name>`, `constraint:<name>` or `default`."""
+    """Rule id, `pin:<name>`, `constraint:<name>`, `checkpoint` (scales the checkpoint declares) or `default`."""
     losers: list[str] = Field(default_factory=list)
     """Rules that matched and wanted another value."""
 

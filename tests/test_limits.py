@@ -175,3 +175,14 @@ deployments:
     assert by_name["too-big"]["status"] == "violation" and "--tp 16" in by_name["too-big"]["violations"][0]
     code, _, err = run_cli(capsys, "explain", "--deployment", "too-long")
     assert code == 2 and "16,384" in err
+
+
+def test_a_policy_format_vllm_cannot_store_for_the_model_is_a_clean_error(capsys, tmp_path):
+    # NVFP4 needs equal K/V head sizes; MiMo-V2's are 192 and 128.
+    policy = tmp_path / "p.yaml"
+    policy.write_text("extends: builtin:default\nrules:\n  - {id: XX001, name: nvfp4-everywhere, statement: s, "
+                      "then: {kv_cache_dtype: nvfp4}, evidence: [fp8-capacity]}\n")
+    code, out, err = run_cli(capsys, "recommend", "-m", "mimo-v2.5", "-g", "b200", "-c", "8k", "--tp", "8",
+                             "-p", str(policy), "-f", "args")
+    assert code == 2 and out == ""
+    assert "XX001 decided --kv-cache-dtype nvfp4 for mimo-v2.5" in err and "equal K/V head sizes" in err

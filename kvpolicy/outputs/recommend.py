@@ -8,6 +8,7 @@ HTTP service and `apply` call; nothing else assembles a Recommendation.
 from __future__ import annotations
 
 from kvpolicy.facts.build import build_facts
+from kvpolicy.errors import PolicyError
 from kvpolicy.facts.estimates import Figures, estimate
 from kvpolicy.facts.limits import check_request, startup_blockers
 from kvpolicy.inputs.arch import ModelArch
@@ -31,6 +32,14 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
     facts = build_facts(arch, gpu, workload, policy, figures=figures)
     outcome = decide(policy, facts)
     decision = outcome.decision
+    try:
+        figures.layout(decision.kv_cache_dtype, decision.skip_layers)
+    except ValueError as exc:  # the format's own size rule refuses this model's heads (formats.py)
+        who = outcome.trace["fields"]["kv_cache_dtype"]["decided_by"]
+        raise PolicyError(
+            f"{who} decided --kv-cache-dtype {decision.kv_cache_dtype} for {arch.id}, which vLLM 0.33 cannot store "
+            f"for this model: {exc}. Limit that rule or pin to models it fits (e.g. on model.attention or "
+            "model.id), or forbid the dtype.") from None
     ests = estimate(figures, decision.kv_cache_dtype, decision.skip_layers, outcome.trace["facts"])
     by_id = {e.id: e for e in policy.evidence}
     evidence = [EvidenceRef(id=i, statement=by_id[i].statement, source=by_id[i].source)

@@ -44,3 +44,14 @@ def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
     if not close:
         return ""
     return " Did you mean " + ", ".join(f"`{lowered[c]}`" for c in close) + "?"
+
+
+class LimitError(InputError):
+    """A deployment vLLM itself refuses (context above the model's limit, a TP size the heads do not divide).
+
+    `field` names the input at fault (`context`, `tp`) so the HTTP service can point at it.
+    """
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,7 +211,16 @@ def test_unknown_hf_id_suggests_from_the_name_part_and_how_to_fetch():
         resolve_model("RedHatAI/Llama-3.1-8B-Instruct-FP8")
     msg = str(err.value)
     assert "`llama-3.1-8b`" in msg
-    assert "huggingface-cli download RedHatAI/Llama-3.1-8B-Instruct-FP8 config.json" in msg
+    assert ("huggingface-cli download RedHatAI/Llama-3.1-8B-Instruct-FP8 config.json model.safetensors.index.json "
+            "hf_quant_config.json") in msg
+
+
+def test_a_folder_with_only_config_json_counts_the_weights_from_its_shapes(tmp_path):
+    # No index, no *.safetensors: the config's shapes, never 0 GB (DeepSeek-V3: 671B FP8 parameters).
+    shutil.copy(Path(__file__).parent / "fixtures" / "hf" / "deepseek-v3" / "config.json", tmp_path / "config.json")
+    arch = resolve_model(str(tmp_path))
+    assert arch.weight_bytes == pytest.approx(resolve_model("deepseek-v3").weight_bytes, rel=0.03)
+    assert arch.weight_bytes > 600e9 and arch.weight_basis.startswith("config shapes")
 
 
 def test_empty_model_name():
@@ -394,7 +404,7 @@ def test_catalog_id_and_a_folder_with_its_config_give_the_same_answer(model_id: 
     import json
     import shutil
 
-    from kvpolicy.inputs.workload import make_workload
+    from kvpolicy.inputs.workload import make_workload, parse_tokens
     from kvpolicy.outputs.recommend import recommend
     from kvpolicy.rules.validate import load_policy
 
@@ -414,7 +424,8 @@ def test_catalog_id_and_a_folder_with_its_config_give_the_same_answer(model_id: 
         (by_folder.max_model_len, by_folder.auto_kv_dtype, by_folder.tp_rules)
     loaded = load_policy()
     for gpu, context in (("h100", "32k"), ("b200", "128k")):
-        workload = make_workload(loaded, context=context)
+        # Within the model's limit (above it both are refused: test_limits.py).
+        workload = make_workload(loaded, context=min(parse_tokens(context), by_id.max_model_len))
         a = recommend(by_id, resolve_gpu(gpu), workload, loaded)
         b = recommend(by_folder.model_copy(update={"id": model_id, "family": by_id.family}), resolve_gpu(gpu),
                       workload, loaded)

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from kvpolicy.cli import main
+from kvpolicy.errors import LimitError
 from kvpolicy.inputs.catalog import load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.workload import make_workload
 from kvpolicy.outputs.recommend import recommend
@@ -63,7 +64,10 @@ def grid() -> dict[str, dict[str, Any]]:
 
 def cli_json(loaded: Any, model: str, gpu: str, **workload: Any) -> dict[str, Any]:
     """What `kvpolicy recommend --format json` prints, through the calls the command makes."""
-    rec = recommend(resolve_model(model), resolve_gpu(gpu), make_workload(loaded, **workload), loaded)
+    try:
+        rec = recommend(resolve_model(model), resolve_gpu(gpu), make_workload(loaded, **workload), loaded)
+    except LimitError as exc:  # a context or TP size vLLM refuses: the answer is the error
+        return {"error": str(exc)}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         render(rec, "json")
@@ -72,6 +76,8 @@ def cli_json(loaded: Any, model: str, gpu: str, **workload: Any) -> dict[str, An
 
 def summary(data: dict[str, Any]) -> dict[str, Any]:
     """The parts of a recommendation the golden file keeps."""
+    if "error" in data:
+        return data
     trace = data["trace"]
     rules = []
     for o in trace["rules"]:
@@ -92,6 +98,7 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
         "vllm_args": data["vllm_args"],
         "estimates": estimates,
         "warnings": data["warnings"],
+        "blockers": data["blockers"],
         "alternatives": data["alternatives"],
         "evidence": [e["id"] for e in data["evidence"]],
         "fields": {name: [f["decided_by"], *f["losers"]] for name, f in trace["fields"].items()},

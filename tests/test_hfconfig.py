@@ -372,6 +372,16 @@ def test_every_fixture_model_type_maps_to_a_family(folder: str, family: str):
     assert fixture(folder).family == family
 
 
+@pytest.mark.parametrize("folder", sorted(p.name for p in (Path(__file__).parent / "fixtures" / "hf").iterdir()
+                                          if (p / "config.json").is_file() and not p.name.startswith("broken")))
+def test_no_fixture_falls_back_to_its_raw_model_type(folder: str):
+    # An unmapped model_type becomes its own "family", which no family rule or pin would ever match.
+    from kvpolicy.inputs.hfconfig import FAMILIES as KNOWN
+
+    arch = fixture(folder)
+    assert arch.family in set(KNOWN.values()), (folder, arch.model_type, arch.family)
+
+
 # -- limits vLLM derives --------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ def mini_oss(tmp_path: Path) -> Path:
     (folder / "config.json").write_text(json.dumps({
         "model_type": "gpt_oss", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 64, "hidden_size": 256, "sliding_window": 32, "vocab_size": 512,
-        "layer_types": ["sliding_attention", "full_attention"] * 2, "max_position_embeddings": 4096}))
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "max_position_embeddings": 131072}))
     return folder
 
 

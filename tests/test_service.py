@@ -207,7 +207,7 @@ def test_check_batch(server, published, team_file):
     assert typo["error"]["error"] == "unknown_model" and "Did you mean `gpt-oss-20b`" in typo["error"]["detail"]
     assert old_gpu["error"]["error"] == "unknown_gpu" and old_gpu["error"]["location"] == "gpu"
     assert floor["status"] == "error" and "min_accuracy_floor 0.9" in floor["error"]["detail"]
-    assert too_big["status"] == "violation" and "no room for a KV cache" in too_big["violations"][0]
+    assert too_big["status"] == "violation" and "no memory for a KV cache" in too_big["violations"][0]
 
 
 def test_check_without_deployments_evaluates_the_policys(server):
@@ -347,7 +347,24 @@ def test_every_valid_request_gets_an_answer(server, model, gpu, context, priorit
     req = {"model": model, "gpu": gpu, "context": context, "priority": priority, "concurrency": concurrency,
            "tp": tp, "accuracy_floor": floor, "gpu_memory_utilization": util}
     r = server.client.post("/v1/recommend", json=req)
-    assert r.status_code == 200, r.text
+    arch = load_models()[model]
+    # What vLLM itself refuses is the request's error (422, pointing at the field); the rest gets an answer.
+    refused = "tp" if tp not in arch.valid_tp_sizes(tp) else "context" if context > arch.max_model_len else None
+    if refused:
+        assert r.status_code == 422 and r.json()["location"] == refused, r.text
+    else:
+        assert r.status_code == 200, r.text
+
+
+def test_limits_vllm_enforces_are_422s_naming_the_field(server):
+    r = server.client.post("/v1/recommend", json={"model": "phi-4", "gpu": "h100", "context": "64k"})
+    assert r.status_code == 422 and r.json()["location"] == "context"
+    assert "16,384" in r.json()["detail"] and "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in r.json()["detail"]
+    r = server.client.post("/v1/recommend", json={"model": "llama-3.1-8b", "gpu": "h100", "tp": 3})
+    assert r.status_code == 422 and r.json()["location"] == "tp"
+    assert "Valid tensor-parallel sizes up to 8: 1, 2, 4, 8" in r.json()["detail"]
+    r = server.client.post("/v1/recommend", json={"model": "deepseek-v3", "gpu": "h100"})
+    assert r.status_code == 200 and "--tp 16" in r.json()["blockers"][0]
 
 
 # -- hot reload ----------------------------------------------------------------------------------

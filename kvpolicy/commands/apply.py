@@ -161,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
         _note(f"warning: stock vLLM cannot carry out: {gap}")
     if args.strict and gaps:
         raise PolicyFailure("--strict: not launching, stock vLLM cannot carry out this decision: " + " ".join(gaps))
+    if rec.blockers:  # before anything is printed, written or launched
+        raise PolicyFailure("not launching, printing or writing a command that vLLM would refuse at start-up: "
+                            + " ".join(rec.blockers))
 
     launching = not (args.dry_run or args.emit_config)
     if launching and install is None:

@@ -48,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
         check_writable(args.emit_recipe, force=args.force, what="--emit-recipe file")
     rec, arch, model_ref = decide(args)
     source = rec.decision.scale_source
+    if rec.trace.fields["scale_source"].decided_by == "checkpoint" and not args.strategy:
+        where = arch.kv_cache_scheme.source if arch.kv_cache_scheme else "kv_cache_scheme"
+        _note(f"{rec.model}: the checkpoint already declares FP8 KV scales ({where}) and vLLM loads them (scale "
+              f"source {source}). Nothing to calibrate; pass --strategy tensor|attn_head to write a recipe anyway.")
+        return 0
     strategy = args.strategy or strategy_for(rec.decision)
     if strategy is None:
         _note(f"{rec.model} on {rec.gpu}: the decision's scale source is `{source}` (kv-cache-dtype "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvpolicy.commands.common import add_deployment_args, deployment_inputs_from_args, resolve_inputs
+from kvpolicy.errors import EXIT_POLICY_FAILURE
 from kvpolicy.outputs.render import FORMATS, render
 
 
@@ -37,5 +38,6 @@ def run(args: argparse.Namespace) -> int:
     rec = recommend(inputs.arch, inputs.gpu, inputs.workload, inputs.loaded)
     model_ref = inputs.arch.hf_id or args.model or inputs.arch.id
     render(rec, args.format, model_ref=model_ref, explain=args.command == "explain")
-    return 0
+    # Exit 1 (the answer is "not like this") while vLLM would refuse the printed flags at start-up.
+    return EXIT_POLICY_FAILURE if rec.blockers else 0
 

@@ -37,6 +37,10 @@ FACTS: dict[str, str] = {
     "model.qk_nope_head_dim": "MLA: the non-RoPE part of the query/key head (absent without MLA)",
     "model.num_attention_heads_per_rank": "query heads per tensor-parallel rank",
     "model.has_kv_scales": "the checkpoint declares calibrated KV-cache scales (a kv_cache_scheme)",
+    "model.checkpoint_kv_dtype": "what `--kv-cache-dtype auto` stores for this checkpoint when its quantization "
+                                 "config makes it quantized (fp8, fp8_e4m3, nvfp4; absent: the model dtype)",
+    "model.checkpoint_kv_scales": "per_tensor or per_head when the checkpoint declares FP8 KV scales that vLLM "
+                                  "loads into an FP8 cache (kv_cache_scheme; absent when none)",
     "gpu.id": "catalog id of the GPU",
     "gpu.vendor": "nvidia or amd",
     "gpu.generation": "ampere, ada, hopper, blackwell, cdna3 or cdna4",
@@ -113,6 +117,8 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
         "model.qk_nope_head_dim": shape.qk_nope_head_dim,
         "model.num_attention_heads_per_rank": shape.num_heads,
         "model.has_kv_scales": arch.kv_cache_scheme is not None,
+        "model.checkpoint_kv_dtype": arch.auto_kv_dtype if arch.auto_kv_dtype != "auto" else None,
+        "model.checkpoint_kv_scales": arch.checkpoint_kv_scales,
         "gpu.id": gpu.id,
         "gpu.vendor": gpu.vendor,
         "gpu.generation": gpu.generation,
@@ -127,7 +133,8 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
         "workload.accuracy_floor": workload.accuracy_floor,
     }
     f["memory.weights_fit"] = fig.budget > 0
-    conc = {dtype: fig.max_concurrency(dtype) for dtype in ("auto", "fp8", "turboquant_4bit_nc")}
+    conc = {dtype: fig.max_concurrency(fig.bf16 if dtype == "auto" else dtype)
+            for dtype in ("auto", "fp8", "turboquant_4bit_nc")}
     f["memory.max_concurrency_bf16"] = conc["auto"]
     f["memory.max_concurrency_fp8"] = conc["fp8"]
     f["memory.max_concurrency_turboquant_4bit_nc"] = conc["turboquant_4bit_nc"]
@@ -144,7 +151,7 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
             n = None
         f[f"memory.max_concurrency_{dtype}"] = n
         f[f"memory.fits_{dtype}"] = n is not None and n >= workload.concurrency
-    need = fig.plan("auto").request_bytes * workload.concurrency
+    need = fig.plan(fig.bf16).request_bytes * workload.concurrency
     f["memory.pressure_bf16"] = round(need / fig.budget, 3) if fig.budget > 0 else None
 
     variants = [fig.break_even("fp8", [], f)]

@@ -209,6 +209,8 @@ class Figures:
     def __init__(self, policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload) -> None:
         self.policy, self.arch, self.gpu, self.workload = policy, arch, gpu, workload
         self.budget = kv_budget_bytes(arch, gpu, workload)
+        self.bf16 = "auto" if arch.auto_kv_dtype == "auto" else arch.model_dtype
+        """The dtype of the BF16 baseline: `auto`, unless the checkpoint makes auto a quantized cache."""
         """Bytes of KV cache one rank holds (negative when the weights do not fit)."""
         self.itl = find_itl(policy, arch, gpu)
         """The ITL fits measured for this model on this GPU, with their evidence id (None when there are none)."""
@@ -264,8 +266,8 @@ def estimate(figures: Figures, kv_cache_dtype: str, skip_layers: list[str], fact
     """All estimates for a decided KV dtype and its skip layers, from the deployment's figures."""
     workload = figures.workload
     layout = figures.layout(kv_cache_dtype, skip_layers)
-    bf16 = figures.layout("auto")
-    kv_plan, plan_bf16 = figures.plan(kv_cache_dtype, skip_layers), figures.plan("auto")
+    bf16 = figures.layout(figures.bf16)
+    kv_plan, plan_bf16 = figures.plan(kv_cache_dtype, skip_layers), figures.plan(figures.bf16)
     cap, cap_bf16 = kv_plan.capacity(figures.budget), plan_bf16.capacity(figures.budget)
     budget_basis = figures.budget_basis()
     per_req, per_req_bf16 = kv_plan.request_bytes, plan_bf16.request_bytes

@@ -247,6 +247,8 @@ class ModelArch(BaseModel):
     """Which key (and RoPE factor) vLLM derives it from."""
     model_dtype: str = "bfloat16"
     """The dtype vLLM loads the model in (`--dtype auto`: float32 checkpoints load as bfloat16 on SM80+)."""
+    quant_method: str = ""
+    """The checkpoint's normalised `quant_method` (fp8, compressed-tensors, modelopt...; empty when unquantized)."""
     kv_cache_scheme: KvCacheScheme | None = None
     """The checkpoint's KV-cache quantization, if its quantization config declares one."""
     auto_kv_dtype: str = "auto"
@@ -348,6 +350,24 @@ class ModelArch(BaseModel):
     def is_sparse_mla(self) -> bool:
         """DeepSeek-V3.2 / GLM-5 style sparse MLA with an indexer cache."""
         return any(s.indexer_head_dim for s in self.layers)
+
+    @property
+    def checkpoint_kv_scales(self) -> str | None:
+        """`per_head` / `per_tensor` when the checkpoint declares FP8 KV scales vLLM loads into an FP8 cache
+        (`BaseKVCacheMethod`, model_executor/layers/quantization/kv_cache.py); None otherwise."""
+        s = self.kv_cache_scheme
+        if s is None:
+            return None
+        if self.attention == "mla" and not (s.method.startswith("modelopt") and s.method != "modelopt_mixed"):
+            # Only ModelOpt's base config hands MLAAttention a KV-cache method (quantization/modelopt.py);
+            # fp8 / compressed-tensors / quark match `Attention` only, so MLA layers keep scale 1.0.
+            return None
+        if s.algo is not None:
+            # ModelOpt kv_cache_quant_algo (FP8 / NVFP4), quant_method fp8's `kv_cache_scheme: static`.
+            return "per_tensor" if s.algo.lower() in ("fp8", "static") else None
+        if s.num_bits not in (None, 8) or (s.type not in (None, "float")) or s.dynamic is True:
+            return None
+        return "per_head" if s.strategy == "attn_head" else "per_tensor"
 
     @cached_property
     def content_key(self) -> tuple[Any, ...]:

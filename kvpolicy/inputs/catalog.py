@@ -137,8 +137,10 @@ def resolve_model(spec: str, *, where: str = "--model", allow_paths: bool = True
     hint = _suggest(text, _catalog(CatalogEntry, MODELS_PATH)[1])
     hub = (
         " kvpolicy does not download configs: fetch it (e.g. `huggingface-cli download "
-        f"{text} config.json model.safetensors.index.json --local-dir DIR`; the index gives the exact weight "
-        "size, without it kvpolicy derives it from the config) and pass DIR."
+        f"{text} config.json model.safetensors.index.json hf_quant_config.json --local-dir DIR`: files the "
+        "repository lacks are skipped; the index gives the exact weight size (without it kvpolicy derives it "
+        "from the config's shapes), hf_quant_config.json an older ModelOpt checkpoint's KV-cache quantization) "
+        "and pass DIR."
         if "/" in text
         else ""
     )

@@ -35,7 +35,10 @@ def unsupported(decision: Decision, arch: ModelArch, gpu: GpuSpec, tp: int = 1, 
     if decision.two_level_accumulation == "off":
         gaps.append("two-level accumulation off: stock vLLM FA3 FP8 builds always use it; turning it off needs a "
                     "custom vllm-flash-attn build with FLASH_ATTENTION_DISABLE_FP8_TWO_LEVEL_ACCUMULATION=TRUE.")
-    scales = scale_gap(decision, model_ref or model_for_vllm(arch))
+    # Scales the checkpoint declares are loaded by vLLM: nothing to calibrate.
+    from_checkpoint = arch.checkpoint_kv_scales is not None \
+        and decision.scale_source == f"checkpoint_{arch.checkpoint_kv_scales}"
+    scales = None if from_checkpoint else scale_gap(decision, model_ref or model_for_vllm(arch))
     if scales:
         gaps.append(scales)
     if decision.kv_cache_dtype.startswith("turboquant") and arch.is_hybrid:

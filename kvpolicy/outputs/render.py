@@ -81,6 +81,8 @@ def render(rec: Recommendation, fmt: str, *, model_ref: str | None = None, expla
         print(to_yaml(rec), end="")
     elif fmt == "args":
         print(" ".join(shlex.quote(a) for a in rec.vllm_args))
+        for msg in rec.blockers:  # never a command vLLM refuses without saying so
+            sys.stderr.write(f"kvpolicy: vLLM would refuse to start with these flags: {msg}\n")
     else:
         _render_rich(rec, model_ref or rec.model, explain=explain)
 
@@ -97,7 +99,9 @@ def _render_rich(rec: Recommendation, model_ref: str, explain: bool) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("KV-cache dtype", d.kv_cache_dtype + ("  (BF16, the model dtype)" if d.kv_cache_dtype == "auto" else ""))
+    stored = rec.trace.facts.get("model.checkpoint_kv_dtype")
+    auto = f"  ({stored}, from the checkpoint's quantization config)" if stored else "  (BF16, the model dtype)"
+    head.add_row("KV-cache dtype", d.kv_cache_dtype + (auto if d.kv_cache_dtype == "auto" else ""))
     head.add_row("skip layers", ", ".join(d.skip_layers) or "none")
     head.add_row("two-level accumulation", d.two_level_accumulation.replace("_", " "))
     head.add_row("scale source", d.scale_source.replace("_", " "))
@@ -136,8 +140,12 @@ def _render_rich(rec: Recommendation, model_ref: str, explain: bool) -> None:
              f"concurrency {w.concurrency}")
     parts: list[Any] = [head, Text(""), est]
     console.print(Panel(Group(*parts), title=title, subtitle=rec.policy, expand=False))
-    console.print(Text("vLLM command", style="bold"))
+    console.print(Text("vLLM command", style="bold")
+                  + (Text("  (vLLM would refuse to start with it: see ✗ below)", style="bold red")
+                     if rec.blockers else Text("")))
     console.print("  " + shell_command(model_ref, rec.vllm_args), soft_wrap=True, highlight=False, markup=False)
+    for msg in rec.blockers:
+        console.print(Text("✗ ", style="bold red") + Text(msg), soft_wrap=True)
     for msg in rec.warnings:
         console.print(Text("! ", style="bold yellow") + Text(msg), soft_wrap=True)
     for msg in rec.unsupported:
@@ -161,7 +169,7 @@ def _render_trace(console: Any, rec: Recommendation, full: bool) -> None:
         mark = "[green]✓[/]" if o.matched else "[dim]·[/]"
         rows.append((o.id, o.name, mark, ", ".join(o.decided) or ("(lost)" if o.overridden else ""), o.reason))
     for name, f in fields.items():
-        if f.decided_by == "default" or f.decided_by.startswith("pin:"):
+        if f.decided_by in ("default", "checkpoint") or f.decided_by.startswith("pin:"):
             rows.append((f.decided_by, name, "", name, f"value {f.value!r}"))
     if console.width < NARROW:
         # Too narrow for four columns beside the reason: one rule a line, its reason indented under it,

@@ -234,7 +234,8 @@ def realisation(decision: Decision) -> str:
             parts.append("scales: 1.0 (no calibrated scales in the checkpoint)")
     elif decision.scale_source.startswith("checkpoint"):
         strategy = "attn_head" if decision.scale_source == "checkpoint_per_head" else "tensor"
-        parts.append(f"scales: read from the checkpoint (llm-compressor kv_cache_scheme, strategy {strategy})")
+        parts.append(f"scales: read from the checkpoint (its KV-cache quantization, e.g. llm-compressor "
+                     f"kv_cache_scheme strategy {strategy}; vLLM uses 1.0 where it has none)")
     elif decision.scale_source == "per_token_head":
         parts.append("scales: computed per token and head in the kernel")
     return "; ".join(parts)

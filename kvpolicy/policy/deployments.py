@@ -76,16 +76,18 @@ def evaluate(loaded: LoadedPolicy, dep: Deployment) -> Recommendation:
     try:
         return recommend(arch, gpu, workload, loaded)
     except KvPolicyError as exc:
-        raise type(exc)(f"{_where(loaded, dep)}: {exc}") from None
+        err = type(exc)(f"{_where(loaded, dep)}: {exc}")
+        err.__dict__.update(vars(exc))  # keeps LimitError.field
+        raise err from None
 
 
 def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]:
     """Decision, capacity, warnings and violations of one deployment (plain data for check's outputs).
 
-    Violations (exit code 1): the weights leave no room for a KV cache; the chosen
-    cache cannot hold the deployment's concurrency at its context; uncalibrated
-    scales are expected below the deployment's accuracy floor and the served
-    checkpoint does not (visibly) carry the calibrated scales the decision needs.
+    Violations (exit code 1): vLLM would refuse to start (the weights, or one request at
+    the context, do not fit); the chosen cache cannot hold the deployment's concurrency at
+    its context; uncalibrated scales are expected below the deployment's accuracy floor and
+    the served checkpoint does not (visibly) carry the calibrated scales the decision needs.
     What stock vLLM cannot carry out (`Recommendation.unsupported`, the list
     `apply --strict` refuses) joins the warnings, so `check --strict` refuses exactly
     that too.
@@ -98,9 +100,8 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
         return {**out, "status": "error", "error": str(exc)}
     est, wl, d = rec.estimates, rec.workload, rec.decision
     violations = []
-    if rec.trace.facts.get("memory.weights_fit") is False:
-        violations.append(f"the weights of {rec.model} leave no room for a KV cache on {wl.tp} x {rec.gpu}; "
-                          "raise `tp` or use a quantized checkpoint.")
+    if rec.blockers:
+        violations += [f"vLLM would refuse to start: {b}" for b in rec.blockers]
     elif est.max_concurrency.value is not None and est.max_concurrency.value < wl.concurrency:
         violations.append(f"{d.kv_cache_dtype} holds {int(est.max_concurrency.value)} requests of "
                           f"{wl.context_tokens:,} tokens; the deployment needs {wl.concurrency}. Lower the "

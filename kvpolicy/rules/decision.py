@@ -60,7 +60,7 @@ class FieldTrace(_Model):
     value: Any
     """Final value."""
     decided_by: str
-    """Rule id, `pin:<name>`, `constraint:<name>` or `default`."""
+    """Rule id, `pin:<name>`, `constraint:<name>`, `checkpoint` (scales the checkpoint declares) or `default`."""
     losers: list[str] = Field(default_factory=list)
     """Rules that matched and wanted another value."""
 
@@ -108,6 +108,9 @@ class Recommendation(_Model):
     """Predicted effects."""
     warnings: list[str]
     """What the user must know or do (custom builds, calibration, accuracy caveats)."""
+    blockers: list[str] = Field(default_factory=list)
+    """Why vLLM would stop at start-up with `vllm_args` (weights or one request at the context do not fit,
+    modelled), each with the smallest TP that fits; empty when it starts. The CLI exits 1 while any remain."""
     alternatives: list[str] = Field(default_factory=list)
     """Options considered and why they were not chosen."""
     unsupported: list[str] = Field(default_factory=list)

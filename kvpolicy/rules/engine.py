@@ -228,9 +228,11 @@ def _unservable(field_name: str, value: Any, facts: dict[str, Any]) -> str | Non
 
 def _decision_fact(field_name: str, value: Any, facts: dict[str, Any]) -> dict[str, Any]:
     if field_name == "kv_cache_dtype":
-        fmt = FORMATS.get(value)
+        # `auto` stores what the checkpoint's quantization config makes it (e.g. fp8 with its scales).
+        stored = (facts.get("model.checkpoint_kv_dtype") if value == "auto" else None) or value
+        fmt = FORMATS.get(stored) or FORMATS.get(value)
         shape = _shape(facts)
-        auto = backends.auto_backend(value, facts.get("gpu.sm"), shape) if shape and fmt else None
+        auto = backends.auto_backend(stored, facts.get("gpu.sm"), shape) if shape and fmt else None
         return {"decision.kv_cache_dtype": value, "decision.kv_format": fmt.kind if fmt else None,
                 "decision.vllm_backend": auto}
     if field_name == "skip_layers":
@@ -286,6 +288,26 @@ def _outcome(rule: Rule, ok: bool, why: str) -> dict[str, Any]:
             "overridden": [], "evidence": rule.evidence}
 
 
+def _checkpoint_scales(winner: tuple[Any, str], facts: dict[str, Any], outcomes: dict[str, dict[str, Any]],
+                       deciders: dict[str, Rule], losers: list[str]) -> tuple[Any, str]:
+    """An FP8 cache of a checkpoint that declares KV scales uses them, whatever a rule or pin wanted
+    (vLLM loads k_scale/v_scale through the quant config's KV-cache method): the checkpoint decides."""
+    scales = facts.get("model.checkpoint_kv_scales")
+    if not scales or facts.get("decision.kv_format") != "fp8":
+        return winner
+    value = f"checkpoint_{scales}"
+    if winner[1] != "default" and winner[0] != value:
+        losers.append(winner[1])
+    beaten = outcomes.get(winner[1])
+    if beaten is not None and "scale_source" in beaten["decided"]:
+        # Its warnings (calibrate!) and evidence no longer describe the decision.
+        beaten["decided"].remove("scale_source")
+        beaten["overridden"].append("scale_source")
+        if not beaten["decided"]:
+            deciders.pop(winner[1], None)
+    return value, "checkpoint"
+
+
 def decide(policy: Policy, facts: dict[str, Any]) -> Outcome:
     """Run the rules over the facts."""
     facts = dict(facts)
@@ -338,6 +360,8 @@ def decide(policy: Policy, facts: dict[str, Any]) -> Outcome:
                     if not beaten["decided"]:
                         deciders.pop(winner[1], None)
                 winner = (pinned[field_name], f"pin:{pin.name}")
+        if field_name == "scale_source":
+            winner = _checkpoint_scales(winner, facts, outcomes, deciders, losers)
         if winner[1] == "default":
             pattern = _forbidden(policy, field_name, winner[0])
             if pattern is not None:

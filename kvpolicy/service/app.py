@@ -31,7 +31,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvpolicy.errors import InputError
+from kvpolicy.errors import InputError, LimitError
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.gpus import GpuSpec
@@ -97,7 +97,10 @@ def evaluate(snap: Snapshot, req: RecommendRequest) -> Recommendation:
         workload = make_workload(snap.loaded, **req.workload_args())
     except InputError as exc:
         raise ServiceError(422, "invalid_request", str(exc), "accuracy_floor") from None
-    return recommend(arch, gpu, workload, snap.loaded)
+    try:
+        return recommend(arch, gpu, workload, snap.loaded)
+    except LimitError as exc:  # a context or TP size vLLM itself refuses
+        raise ServiceError(422, "invalid_request", str(exc), exc.field) from None
 
 
 def check(snap: Snapshot, body: CheckRequest) -> CheckResponse:

@@ -87,8 +87,11 @@ def validate(spec: str) -> LoadedPolicy:
     archs = {m.attention: m for m in reversed(load_models().values())}.values()
     gpus = {g.generation: g for g in reversed(load_gpus().values())}.values()
     for arch in archs:
+        # Within the model's own limit: a longer context is the request's error, not the policy's.
+        wl = workload if not arch.max_model_len or workload.context_tokens <= arch.max_model_len else \
+            workload.model_copy(update={"context_tokens": arch.max_model_len})
         for gpu in gpus:
-            recommend(arch, gpu, workload, loaded)
+            recommend(arch, gpu, wl, loaded)
     return loaded
 
 

@@ -332,7 +332,7 @@ def test_deployment_from_the_policy(capsys, no_vllm, tmp_path):
 @pytest.mark.parametrize("command", ["apply", "calibrate", "explain"])
 def test_deployment_reads_kvpolicy_yaml_in_this_folder(capsys, no_vllm, tmp_path, monkeypatch, command):
     (tmp_path / "kvpolicy.yaml").write_text("version: 1\nextends: builtin:default\ndeployments:\n"
-                                            "  - {name: chat, model: qwen3-30b-a3b, gpu: h100, context: 256k}\n")
+                                            "  - {name: chat, model: qwen3-30b-a3b-instruct-2507, gpu: h100, context: 256k}\n")
     monkeypatch.chdir(tmp_path)
     extra = {"apply": ["--dry-run"], "calibrate": ["--emit-recipe", "r.yaml", "--strategy", "tensor"], "explain": []}[command]
     code, out, err = run_cli(capsys, command, "-d", "chat", *extra)

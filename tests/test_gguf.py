@@ -62,7 +62,7 @@ def test_gguf_header_gives_the_geometry(tmp_path):
 
 def test_recommend_on_a_gguf_file(tmp_path, capsys):
     path = write_gguf(tmp_path / "tiny.gguf", LLAMA, ["token_embd.weight"])
-    assert main(["recommend", "-m", str(path), "-g", "h100", "--format", "json"]) == 0
+    assert main(["recommend", "-m", str(path), "-g", "h100", "-c", "8k", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["decision"]["kv_cache_dtype"]
 
 

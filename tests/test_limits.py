@@ -167,22 +167,26 @@ deployments:
 """)
     code, out, _ = run_cli(capsys, "check", "--format", "json")
     assert code == 2  # check's code for deployments it could not evaluate; the others are still judged
-    by_name = {d["name"]: d for d in json.loads(out)["deployments"]}
+    by_name = {d["name"]: d for d in json.loads(out)["results"]}
     assert by_name["fits"]["status"] == "ok"
-    assert by_name["too-long"]["status"] == "error" and "16,384" in by_name["too-long"]["error"]
-    assert "kvpolicy.yaml:4:5: deployment `too-long`" in by_name["too-long"]["error"]
-    assert by_name["bad-tp"]["status"] == "error" and "Valid tensor-parallel sizes" in by_name["bad-tp"]["error"]
+    assert by_name["too-long"]["status"] == "error" and "16,384" in by_name["too-long"]["error"]["detail"]
+    assert "kvpolicy.yaml:4:5: deployment `too-long`" in by_name["too-long"]["error"]["detail"]
+    assert by_name["bad-tp"]["status"] == "error"
+    assert "Valid tensor-parallel sizes" in by_name["bad-tp"]["error"]["detail"]
     assert by_name["too-big"]["status"] == "violation" and "--tp 16" in by_name["too-big"]["violations"][0]
     code, _, err = run_cli(capsys, "explain", "--deployment", "too-long")
     assert code == 2 and "16,384" in err
 
 
-def test_a_policy_format_vllm_cannot_store_for_the_model_is_a_clean_error(capsys, tmp_path):
-    # NVFP4 needs equal K/V head sizes; MiMo-V2's are 192 and 128.
+def test_a_policy_format_vllm_cannot_store_for_the_model_is_skipped_with_the_reason(capsys, tmp_path):
+    # NVFP4 needs head sizes FlashInfer serves; MiMo-V2's keys are 192 wide: the rule never decides, and says why.
     policy = tmp_path / "p.yaml"
     policy.write_text("extends: builtin:default\nrules:\n  - {id: XX001, name: nvfp4-everywhere, statement: s, "
                       "then: {kv_cache_dtype: nvfp4}, evidence: [fp8-capacity]}\n")
-    code, out, err = run_cli(capsys, "recommend", "-m", "mimo-v2.5", "-g", "b200", "-c", "8k", "--tp", "8",
-                             "-p", str(policy), "-f", "args")
-    assert code == 2 and out == ""
-    assert "XX001 decided --kv-cache-dtype nvfp4 for mimo-v2.5" in err and "equal K/V head sizes" in err
+    args = ["-m", "mimo-v2.5", "-g", "b200", "-c", "8k", "--tp", "8", "-p", str(policy)]
+    code, out, err = run_cli(capsys, "recommend", *args, "-f", "json")
+    assert code == 0, err
+    rec = json.loads(out)
+    assert rec["decision"]["kv_cache_dtype"] != "nvfp4"
+    (xx,) = [o for o in rec["trace"]["rules"] if o["id"] == "XX001"]
+    assert xx["matched"] and not xx["decided"] and "not served by vLLM 0.33" in xx["reason"]

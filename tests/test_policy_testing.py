@@ -41,7 +41,7 @@ def test_kvpolicy_test_policies_folder_passes(capsys, monkeypatch):
     code, out, err = run_cli(capsys, "test", "kvpolicy/rules/", "--fail-on-empty")
     assert code == 0, out + err
     assert "0 failed, 0 errors" in out
-    assert "coverage: kvpolicy/rules/default.yaml: all 38 rules and pins it defines fired" in out
+    assert "coverage: kvpolicy/rules/default.yaml: all 41 rules and pins it defines fired" in out
 
 
 @pytest.fixture

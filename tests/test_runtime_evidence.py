@@ -50,7 +50,7 @@ def _recovery(policy: str, gpu: str = "h200", context: str = "128k"):
 
 def test_recorded_recoveries_are_measured_for_that_model_and_gpu_only(tmp_path):
     path = tmp_path / "acc.yaml"
-    rid = record_verify(_verify({65536: 0.99, 131072: 0.91, 262144: 0.97}), path)
+    [rid] = record_verify(_verify({65536: 0.99, 131072: 0.91, 262144: 0.97}), path)
     assert rid == verify_evidence_id("llama-3.1-8b", "h200") == "verify-needle-llama-3.1-8b-h200"
     ev = load_policy(str(path)).policy.evidence[-1]
     # one figure per context, each the lowest recovery up to it; the +one_level diagnostic is not a figure

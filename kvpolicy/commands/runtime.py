@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     arch, gpu, loaded, rec = _resolve(args, max(contexts))
     if args.record:
-        _check_record_target(args.command, device, backend, gpu)
+        model_level = args.command == "verify" and _model_source(args, backend) is not None
+        _check_record_target(args.command, device, backend, gpu, model_level)
     compare = [c for item in args.compare for c in item.split(",")]
     out_dir = Path(args.out)
     if args.command == "bench":
@@ -258,13 +259,21 @@ def _bench(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any,
     return 0
 
 
-def _check_record_target(command: str, device: Any, backend: str, gpu: Any) -> None:
-    """Before any measurement: --record needs the kernels on the GPU the evidence names."""
+def _check_record_target(command: str, device: Any, backend: str, gpu: Any, model_level: bool = False) -> None:
+    """Before any measurement: --record needs the kernels on the GPU the evidence names, except for a verify's
+    model-level figures, which the CPU references measure for the model on any GPU (record.py says why)."""
+    if backend != "triton" and model_level:
+        sys.stderr.write("kvpolicy verify: note: on the CPU --record writes the model-level figures only (for this "
+                         "model on any GPU: the formats' exact rounding); the needle recoveries need the kernels on "
+                         "the GPU.\n")
+        return
     if backend != "triton":
         raise InputError(f"--record: this {command} would run the CPU torch references, not the kernels on `{gpu.id}`; "
                          "their " + ("timings" if command == "bench" else "accuracy (the exact float64 answer)")
                          + " say nothing about that GPU, and recorded evidence is what `recommend` treats as measured "
-                         "there. Run it on the GPU (--device cuda), or drop --record; nothing was recorded.")
+                         "there. Run it on the GPU (--device cuda), or drop --record; nothing was recorded."
+                         + (" (A verify of a local model folder or .gguf file with weights records its model-level "
+                            "figures from the CPU too.)" if command == "verify" else ""))
     import torch
 
     from kvpolicy.inputs.catalog import resolve_gpu
@@ -364,8 +373,10 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
         _print_verify(result)
     sys.stderr.write(f"JSON: {json_path}\n")
     if recorded:
-        sys.stderr.write(f"recorded evidence `{recorded}` in {args.record}: `kvpolicy recommend --model {arch.id} "
-                         f"--gpu {gpu.id} --policy {args.record}` now uses these recoveries.\n")
+        model_ref = args.model if Path(args.model).expanduser().exists() else arch.id
+        sys.stderr.write(f"recorded evidence {', '.join(f'`{r}`' for r in recorded)} in {args.record}: `kvpolicy "
+                         f"recommend --model {model_ref} --gpu {gpu.id} --policy {args.record}` now uses these "
+                         "figures.\n")
     return 0
 
 

@@ -75,6 +75,13 @@ FACTS: dict[str, str] = {
     "latency.fp8_never_faster": "measured ITL lines show no FP8 variant ever decoding faster than BF16 here",
     "accuracy.fp8_recovery": "expected FP8 accuracy recovery at this context (uncalibrated)",
     "accuracy.turboquant_4bit_nc_recovery": "expected turboquant_4bit_nc accuracy recovery",
+    "accuracy.fp8_model_check": "verdict of the model-level figures recorded for this model with uncalibrated FP8 "
+                                "(`kvpolicy verify --record`) against the `model_*` thresholds: pass, below or "
+                                "undecided (absent when none is recorded)",
+    "accuracy.fp8_per_head_model_check": "the same for FP8 with per-head scales (the verify's +per_head twin)",
+    "accuracy.turboquant_4bit_nc_model_check": "the same for turboquant_4bit_nc",
+    "accuracy.fp8_model_figures": "the recorded uncalibrated FP8 figures, their evidence id and verdict, as a phrase "
+                                  "for messages (absent when none is recorded)",
     "kernels.turboquant_4bit_nc": "turboquant_4bit_nc in kvpolicy's fused kernel vs cuDNN BF16 (attention slope), "
                                   "as a phrase for messages",
     "decision.kv_cache_dtype": "KV dtype decided so far (for rules after the dtype stage)",
@@ -165,5 +172,10 @@ def build_facts(arch: ModelArch, gpu: GpuSpec, workload: Workload, policy: Polic
     f["latency.fp8_never_faster"] = all(e.value is None and e.provenance == "measured" for e in variants)
     f["accuracy.fp8_recovery"] = fig.recovery("fp8").value
     f["accuracy.turboquant_4bit_nc_recovery"] = fig.recovery("turboquant_4bit_nc").value
+    checks = {"fp8": fig.model_check("fp8"), "fp8_per_head": fig.model_check("fp8", "checkpoint_per_head"),
+              "turboquant_4bit_nc": fig.model_check("turboquant_4bit_nc")}
+    for key, check in checks.items():
+        f[f"accuracy.{key}_model_check"] = check.verdict if check is not None else None
+    f["accuracy.fp8_model_figures"] = checks["fp8"].phrase() if checks["fp8"] is not None else None
     f["kernels.turboquant_4bit_nc"] = fig.kernel_figure("turboquant_4bit_nc").phrase
     return f

@@ -7,6 +7,9 @@ Latency is the studies' single-request line ITL = slope x context + intercept.
 Where the policy's evidence has a fit for this model on this GPU, the figure is
 measured; otherwise the slope ratio is modelled from the bytes read per token of
 context, and the break-even comes from the policy's per-generation threshold.
+Accuracy is the lowest recovery of the evidence at the context; where the policy holds
+model-level figures recorded for this model (`kvpolicy verify --record`), the estimate
+is their top-1 agreement with BF16, judged by the policy's `model_*` thresholds.
 Beside it, the kernel slope ratio (`kernel_figures.py`) is what kvpolicy's own
 Triton decode kernels measured (attention only) against cuDNN BF16.
 `Figures` computes each of these once per deployment: the facts state them for
@@ -25,7 +28,7 @@ from kvpolicy.facts.kv_memory import GIB, RUNTIME_RESERVE_GIB, Capacity, KvPlan,
 from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
-from kvpolicy.inputs.policy_schema import ItlFit, Policy, resolve_threshold
+from kvpolicy.inputs.policy_schema import ItlFit, ModelFigure, Policy, resolve_threshold
 from kvpolicy.inputs.workload import Workload
 
 Provenance = Literal["measured", "extrapolated", "modelled"]
@@ -76,7 +79,8 @@ class Estimates(_Model):
     break_even_tokens: Estimate
     """Context above which the chosen format decodes faster than BF16."""
     accuracy_recovery: Estimate
-    """Expected accuracy relative to BF16 (1.0 = no loss)."""
+    """Expected accuracy relative to BF16 (1.0 = no loss); unit `top-1 agreement` where a model-level check of
+    this model was recorded (`kvpolicy verify --record`), with its verdict against the `model_*` thresholds."""
 
 
 def variant_key(dtype: str, skip_layers: list[str] | tuple[str, ...]) -> str:
@@ -196,6 +200,101 @@ def _recoveries(policy: Policy) -> list[tuple[int, float, str, str, str | None, 
     return rows
 
 
+MODEL_THRESHOLDS = ("model_min_top1_agreement", "model_max_kl_mean", "model_max_kl_p99", "model_max_ppl_increase")
+"""The policy thresholds model-level figures are judged by (`kvpolicy verify` and `recommend` alike)."""
+ModelVerdict = Literal["pass", "below", "undecided"]
+
+
+def judge_model_figures(agreement_low: float, agreement_high: float, kl_mean: float, kl_p99: float | None,
+                        ppl_delta: float | None, limits: dict[str, float]) -> tuple[ModelVerdict, list[str]]:
+    """`pass` / `below` / `undecided` for one format's model-level figures against the `model_*` thresholds
+    (`limits`, by threshold name), and the figures that fail: any figure past its threshold fails; otherwise the
+    agreement's 95% interval decides (wholly at or above the minimum: pass; straddling it: undecided)."""
+    fails = []
+    if kl_mean > limits["model_max_kl_mean"]:
+        fails.append(f"mean KL {kl_mean:.3g} > {limits['model_max_kl_mean']:g}")
+    if kl_p99 is not None and kl_p99 > limits["model_max_kl_p99"]:
+        fails.append(f"p99 KL {kl_p99:.3g} > {limits['model_max_kl_p99']:g}")
+    if ppl_delta is not None and ppl_delta > limits["model_max_ppl_increase"]:
+        fails.append(f"perplexity {ppl_delta:+.1%} > +{limits['model_max_ppl_increase']:.0%}")
+    least = limits["model_min_top1_agreement"]
+    if agreement_high < least:
+        fails.append(f"top-1 agreement < {least:.0%}")
+    if fails:
+        return "below", fails
+    return ("pass" if agreement_low >= least else "undecided"), []
+
+
+def model_limits(policy: Policy) -> dict[str, float] | None:
+    """The policy's `model_*` thresholds by name (None when it lacks one: a policy not extending the built-in)."""
+    limits = {name: resolve_threshold(policy, name, {}) for name in MODEL_THRESHOLDS}
+    return None if any(v is None for v in limits.values()) else limits  # type: ignore[return-value]
+
+
+class ModelCheckFigure(_Model):
+    """A recorded model-level figure of this model for one format, with its verdict."""
+
+    evidence: str
+    """Evidence id."""
+    figure: ModelFigure
+    """The recorded figures."""
+    verdict: ModelVerdict | None
+    """Judged by the policy's `model_*` thresholds (None when the policy has none)."""
+    fails: list[str]
+    """The figures that fail their thresholds."""
+
+    def phrase(self) -> str:
+        """The figures and verdict in words, for estimates and rule messages."""
+        f = self.figure
+        scales = "" if f.scale_source == "uncalibrated" else f" with {f.scale_source.replace('_', ' ')} scales"
+        where = (f"through kvpolicy's kernels on {f.gpu}" if f.gpu else
+                 "float64 reference path on the CPU: the format's rounding, no GPU's arithmetic")
+        figures = (f"{f.dtype}{scales}: top-1 agreement {f.agreement:.1%} (95% CI {f.agreement_low:.1%}-"
+                   f"{f.agreement_high:.1%}) with the BF16 cache, mean KL {f.kl_mean:.3g}"
+                   + (f", p99 KL {f.kl_p99:.3g}" if f.kl_p99 is not None else "")
+                   + (f", perplexity {f.ppl_delta:+.1%}" if f.ppl_delta is not None else "")
+                   + f" over {f.tokens:,} tokens ({where})")
+        verdict = {"pass": "within the policy's model thresholds",
+                   "undecided": "the agreement interval straddles `model_min_top1_agreement`: more tokens decide it",
+                   "below": "fails the policy's model thresholds (" + "; ".join(self.fails) + ")",
+                   None: "no `model_*` thresholds in the policy to judge it"}[self.verdict]
+        return f"evidence `{self.evidence}`, {figures}: {verdict}"
+
+
+def model_check(policy: Policy, arch: ModelArch, gpu: GpuSpec, dtype: str,
+                scale_source: str = "uncalibrated") -> ModelCheckFigure | None:
+    """The model-level figure recorded for this model and format, judged: one measured through the kernels on this
+    GPU first, then one from the CPU reference path; the last recorded of each wins (an extending policy's
+    evidence comes after the built-in one's)."""
+    names = {dtype, "fp8"} if dtype in ("fp8", "fp8_e4m3") else {dtype}
+    models = {n.lower() for n in (arch.id, *arch.aliases, arch.hf_id or "")}
+    found: dict[str | None, tuple[str, ModelFigure]] = {}
+    for ev in policy.evidence:
+        for f in ev.model_check:
+            if f.dtype in names and f.scale_source == scale_source and f.model.lower() in models \
+                    and f.gpu in (None, gpu.id):
+                found[f.gpu] = (ev.id, f)
+    hit = found.get(gpu.id) or found.get(None)
+    if hit is None:
+        return None
+    limits = model_limits(policy)
+    f = hit[1]
+    verdict, fails = (judge_model_figures(f.agreement_low, f.agreement_high, f.kl_mean, f.kl_p99, f.ppl_delta,
+                                          limits) if limits is not None else (None, []))
+    return ModelCheckFigure(evidence=hit[0], figure=f, verdict=verdict, fails=fails)
+
+
+def model_accuracy(check: ModelCheckFigure, long: Estimate, context_tokens: int) -> Estimate:
+    """The accuracy estimate from a recorded model-level figure; the evidence's figure at the workload's context
+    (which the rules also read) is named beside it."""
+    beside = ""
+    if long.value is not None and long.value < 1.0:
+        beside = (f"; at {context_tokens:,} tokens the recovery figure the rules also read is {long.value:g} "
+                  f"({long.basis})")
+    return Estimate(value=check.figure.agreement, unit="top-1 agreement", provenance="measured",
+                    basis=f"measured on this model, {check.phrase()}{beside}")
+
+
 def kernel_slope(fig: KernelFigure) -> Estimate:
     """Decode-attention slope of kvpolicy's own kernel for a dtype, relative to cuDNN BF16 (measured)."""
     return Estimate(value=fig.ratio, unit="ratio", provenance="measured" if fig.ratio is not None else "modelled",
@@ -257,6 +356,18 @@ class Figures:
         return self._once(("recovery", dtype), lambda: recovery(self.policy, dtype, self.workload.context_tokens,
                                                           self.arch, self.gpu))
 
+    def model_check(self, dtype: str, scale_source: str = "uncalibrated") -> ModelCheckFigure | None:
+        """The model-level figure recorded for this model and format, judged by the policy's thresholds."""
+        return self._once(("model_check", dtype, scale_source),
+                          lambda: model_check(self.policy, self.arch, self.gpu, dtype, scale_source))
+
+    def accuracy(self, dtype: str, scale_source: str = "uncalibrated") -> Estimate:
+        """The accuracy estimate of a variant: the recorded model-level figure of this model when there is one,
+        else the recovery figure at the workload's context."""
+        check = self.model_check(dtype, scale_source)
+        long = self.recovery(dtype)
+        return model_accuracy(check, long, self.workload.context_tokens) if check is not None else long
+
     def kernel_figure(self, dtype: str) -> KernelFigure:
         """kvpolicy's measured decode-attention slope for a dtype."""
         return self._once(("kernel", dtype), lambda: kernel_figure(self.policy, self.arch, self.gpu, dtype))
@@ -299,7 +410,7 @@ def estimate(figures: Figures, kv_cache_dtype: str, skip_layers: list[str], fact
         itl_slope_ratio=slope_ratio(figures.policy, figures.itl, layout, bf16, kv_cache_dtype, skip_layers, facts),
         kernel_slope_ratio=kernel_slope(figures.kernel_figure(kv_cache_dtype)),
         break_even_tokens=figures.break_even(kv_cache_dtype, skip_layers, facts),
-        accuracy_recovery=figures.recovery(kv_cache_dtype),
+        accuracy_recovery=figures.accuracy(kv_cache_dtype, facts.get("decision.scale_source") or "uncalibrated"),
     )
 
 

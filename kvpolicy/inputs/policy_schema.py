@@ -246,6 +246,45 @@ class Recovery(_Strict):
         return self
 
 
+class ModelFigure(_Strict):
+    """Next-token figures of one KV format on one model against its BF16 cache, over a text
+    (`kvpolicy verify --record` on a model with weights)."""
+
+    dtype: str
+    """KV dtype (vLLM name)."""
+    scale_source: ScaleSource = "uncalibrated"
+    """FP8 scales the figures were measured with (`checkpoint_per_head`: the verify's `+per_head` twin)."""
+    model: str
+    """Model catalog id (for a local folder or .gguf file: the id `recommend` gives it, its name)."""
+    gpu: str | None = None
+    """GPU catalog id when measured through kvpolicy's kernels on that GPU; None when measured on the CPU's float64
+    reference path, which computes the format's exact rounding and no GPU's arithmetic: such a figure stands for
+    the model on every GPU, after one measured on the GPU itself."""
+    tokens: int = Field(gt=0)
+    """Positions compared."""
+    agreement: float = Field(ge=0, le=1)
+    """Fraction of positions whose argmax next token equals the BF16 cache's."""
+    agreement_low: float = Field(ge=0, le=1)
+    """Lower end of the 95% Wilson interval of `agreement`."""
+    agreement_high: float = Field(ge=0, le=1)
+    """Upper end of that interval."""
+    kl_mean: float = Field(ge=0)
+    """Mean KL(BF16 || format) of the next-token distributions, nats."""
+    kl_p99: float | None = Field(default=None, ge=0)
+    """99th percentile of the per-position KL, nats."""
+    ppl_delta: float | None = Field(default=None, gt=-1)
+    """Perplexity of the text under this format over BF16's, minus 1 (0.013 = +1.3%)."""
+    text: str = ""
+    """What was read: tokens, text, weights and device."""
+
+    @model_validator(mode="after")
+    def _interval_holds_the_figure(self) -> ModelFigure:
+        if not self.agreement_low <= self.agreement <= self.agreement_high:
+            raise ValueError(f"the agreement {self.agreement:g} lies outside its interval [{self.agreement_low:g}, "
+                             f"{self.agreement_high:g}]; agreement_low <= agreement <= agreement_high")
+        return self
+
+
 class KernelFit(_Strict):
     """A measured decode-attention line of one kernel: time per call = slope x context + intercept."""
 
@@ -295,6 +334,9 @@ class Evidence(_Strict):
     """Machine-readable ITL fits, used by the latency estimates."""
     recovery: list[Recovery] = Field(default_factory=list)
     """Machine-readable accuracy recoveries, used by the accuracy estimates."""
+    model_check: list[ModelFigure] = Field(default_factory=list)
+    """Model-level next-token figures of one model (`kvpolicy verify --record`): its accuracy estimate, judged by
+    the `model_*` thresholds, and the `accuracy.*_model_check` facts the rules read."""
     kernels: list[KernelMeasurement] = Field(default_factory=list)
     """Decode-attention fits of kvpolicy's own kernels, attention only; used by the kernel slope estimate."""
 

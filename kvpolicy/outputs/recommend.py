@@ -43,8 +43,12 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
             "model.id), or forbid the dtype.") from None
     ests = estimate(figures, decision.kv_cache_dtype, decision.skip_layers, outcome.trace["facts"])
     by_id = {e.id: e for e in policy.evidence}
+    # Model-level figures recorded for this model (`verify --record`): what the accuracy estimate and facts read.
+    checks = [figures.model_check(decision.kv_cache_dtype, decision.scale_source), figures.model_check("fp8"),
+              figures.model_check("fp8", "checkpoint_per_head"), figures.model_check("turboquant_4bit_nc")]
+    cited = list(dict.fromkeys([*outcome.evidence_ids, *(c.evidence for c in checks if c is not None)]))
     evidence = [EvidenceRef(id=i, statement=by_id[i].statement, source=by_id[i].source)
-                for i in outcome.evidence_ids if i in by_id]
+                for i in cited if i in by_id]
     return Recommendation(
         model=arch.id,
         gpu=gpu.id,

@@ -63,7 +63,7 @@ def _fmt(e: Estimate, pct: bool = False) -> str:
     if e.value is None:
         return "n/a"
     if pct:
-        text = f"{e.value * 100:.0f}%"
+        text = f"{e.value * 100:.0f}%" + (f" {e.unit}" if e.unit != "ratio" else "")  # e.g. top-1 agreement
     elif e.unit in ("tokens", "requests"):
         text = f"{int(e.value):,} {e.unit}"
     elif e.unit == "ratio":

@@ -23,7 +23,11 @@ BOOL_FACTS = {"model.is_hybrid", "model.has_attention_sinks", "gpu.fp8_compute",
               "model.sparse_mla", "model.has_kv_scales", "memory.fits_nvfp4", "memory.fits_int4_per_token_head",
               "memory.fits_fp8_ds_mla", "memory.fits_nvfp4_ds_mla"}
 TEXT_FACTS = {"model.id", "model.family", "decision.skip_layers", "decision.attention_backend",
-              "kernels.turboquant_4bit_nc", "model.head_sizes", "decision.vllm_backend"}
+              "kernels.turboquant_4bit_nc", "model.head_sizes", "decision.vllm_backend",
+              "accuracy.fp8_model_figures"}
+MODEL_CHECK_FACTS = ("accuracy.fp8_model_check", "accuracy.fp8_per_head_model_check",
+                     "accuracy.turboquant_4bit_nc_model_check")
+"""Verdicts of recorded model-level figures: pass, below or undecided (absent when none is recorded)."""
 ALWAYS_SET = BOOL_FACTS | {"model.attention", "gpu.generation", "gpu.vendor", "gpu.id", "workload.priority",
                            "model.id", "model.family", "workload.context_tokens", "workload.concurrency",
                            "workload.tp", "kernels.turboquant_4bit_nc"}
@@ -32,6 +36,7 @@ ALWAYS_SET = BOOL_FACTS | {"model.attention", "gpu.generation", "gpu.vendor", "g
 @functools.cache
 def domains() -> dict[str, frozenset[Any]]:
     """The closed set of values of each enumerated fact (from the catalogs and the decision types)."""
+    from kvpolicy.facts.estimates import ModelVerdict
     from kvpolicy.facts.formats import FORMATS
     from kvpolicy.inputs.arch import AttentionKind
     from kvpolicy.inputs.catalog import load_gpus
@@ -51,6 +56,7 @@ def domains() -> dict[str, frozenset[Any]]:
         "decision.scale_source": frozenset(typing.get_args(ScaleSource)),
     }
     out.update({f: frozenset({True, False}) for f in BOOL_FACTS})
+    out.update({f: frozenset(typing.get_args(ModelVerdict)) for f in MODEL_CHECK_FACTS})
     return out
 
 

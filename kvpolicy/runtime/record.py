@@ -10,9 +10,14 @@ indentation kept; written atomically) after the result validates as a policy;
 a missing file becomes a small policy that extends the built-in one.
 
 `verify --record` writes `recovery:` figures scoped to the model and GPU measured, which the accuracy
-estimate (and the rules reading it) then use for that deployment ahead of the studies' figures. Neither
-records a run of the CPU references: their timings say nothing about a GPU, and their accuracy is the exact
-float64 answer, not what a GPU kernel computes (one-level accumulation, e4m3 rounding of P).
+estimate (and the rules reading it) then use for that deployment ahead of the studies' figures, and, when the
+model-level check ran, its next-token figures (`model_check:`) for that model. Needle recoveries and bench
+timings are never recorded from a run of the CPU references: their timings say nothing about a GPU, and the
+needle's accuracy is the exact float64 answer, not what a GPU kernel computes (one-level accumulation, e4m3
+rounding of P), on synthetic heads where that difference is the point. Model-level figures from the CPU are
+recorded, scoped to the model and no GPU: they are the format's exact rounding of this model's own K/V, which
+every GPU stores alike; the kernels can only add error to it, so a failing CPU figure fails on any GPU, and a
+figure measured through the kernels on the GPU takes precedence over it.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ MIN_RECORDED_RECOVERY = 0.001
 
 NEW_POLICY = """\
 # Measured evidence, written by `kvpolicy bench --record` (decode latency) and
-# `kvpolicy verify --record` (needle recovery). Use it with
-# `kvpolicy recommend --policy {name}`: for a model and GPU measured here, the slope
-# ratio, break-even and accuracy estimates are labelled measured, and the dtype
-# rules' facts follow these numbers instead of the studies'.
+# `kvpolicy verify --record` (needle recovery, model-level figures). Use it with
+# `kvpolicy recommend --policy {name}`: for a model and GPU measured here (a model
+# alone for model-level figures from the CPU), the slope ratio, break-even and
+# accuracy estimates are labelled measured, and the rules' facts follow these
+# numbers instead of the studies'.
 version: 1
 name: measured-itl
 description: Built-in policy plus ITL lines and accuracy measured on our own GPUs.
@@ -55,6 +61,11 @@ def evidence_id(model: str, gpu: str) -> str:
 def verify_evidence_id(model: str, gpu: str) -> str:
     """Evidence id of a recorded verify: `verify-needle-<model>-<gpu>`."""
     return f"verify-needle-{_slug(model)}-{_slug(gpu)}"
+
+
+def model_evidence_id(model: str, gpu: str | None) -> str:
+    """Evidence id of recorded model-level figures: `verify-model-<model>[-<gpu>]` (no GPU: the CPU references)."""
+    return f"verify-model-{_slug(model)}" + (f"-{_slug(gpu)}" if gpu else "")
 
 
 def refuse_reference_run(env: Environment, command: str, gpu: str) -> None:
@@ -184,6 +195,56 @@ def verify_entry(result: VerifyResult) -> dict[str, Any]:
             "recovery": recovery}
 
 
+def model_entry(result: VerifyResult) -> dict[str, Any] | None:
+    """The evidence item of the model-level check (None when it did not run): per format measured (plain and
+    calibrated FP8 twins, all layers; the one-level diagnostic and skip-layer variants left out), its figures
+    scoped to the model, and to the GPU when the kernels ran there."""
+    from kvpolicy.facts.formats import FORMATS
+    from kvpolicy.runtime.variants import parse_variant
+
+    env = result.environment
+    gpu = result.gpu if env.backend == "triton" else None
+    figures: list[dict[str, Any]] = []
+    words = []
+    for c in result.model_check[1:]:  # the first is BF16 against the model's own attention
+        v = parse_variant(c.variant)
+        if FORMATS[v.kv_cache_dtype].kind == "bf16" or not v.two_level or v.skip_layers:
+            continue
+        fig: dict[str, Any] = {"dtype": v.kv_cache_dtype}
+        if v.scale_source != "uncalibrated":
+            fig["scale_source"] = v.scale_source
+        fig.update(model=result.model, **({"gpu": gpu} if gpu else {}), tokens=c.tokens, agreement=c.agreement)
+        lo, hi = (c.agreement_low, c.agreement_high) if c.agreement_low is not None and c.agreement_high is not None \
+            else _interval(c.agreement, c.tokens)
+        fig.update(agreement_low=lo, agreement_high=hi, kl_mean=c.kl_mean)
+        if c.kl_p99 is not None:
+            fig["kl_p99"] = c.kl_p99
+        if c.ppl_delta is not None:
+            fig["ppl_delta"] = c.ppl_delta
+        fig["text"] = result.model_check_note
+        figures.append(fig)
+        words.append(f"{c.variant} {c.agreement:.1%} [{lo:.1%}, {hi:.1%}], mean KL {c.kl_mean:.3g}"
+                     + (f", p99 KL {c.kl_p99:.3g}" if c.kl_p99 is not None else "")
+                     + (f", perplexity {c.ppl_delta:+.1%}" if c.ppl_delta is not None else ""))
+    if not figures:
+        return None
+    path = (f"kvpolicy's kernels on {env.device}" if gpu else
+            "the float64 CPU references (the formats' exact rounding; valid for the model on any GPU)")
+    statement = (f"kvpolicy verify, model-level check of {result.model} through {path} ({result.model_check_note}): "
+                 f"next-token figures vs the BF16 cache, top-1 agreement [95% interval]: {'; '.join(words)}.")
+    source = (f"kvpolicy verify --record, {env.date}, {env.device} ({env.backend}), kvpolicy {env.kvpolicy_version} "
+              f"commit {env.commit}, torch {env.torch_version}, triton {env.triton_version or 'none'}")
+    return {"id": model_evidence_id(result.model, gpu), "statement": statement, "source": source,
+            "model_check": figures}
+
+
+def _interval(agreement: float, tokens: int) -> tuple[float, float]:
+    from kvpolicy.runtime.confidence import wilson
+
+    lo, hi = wilson(round(agreement * tokens), tokens)
+    return round(min(lo, agreement), 4), round(max(hi, agreement), 4)
+
+
 def _plain_dtypes(result: VerifyResult, plain: set[str]) -> list[tuple[str, str]]:
     """(vLLM dtype, variant name) of the plain candidates, BF16 left out."""
     from kvpolicy.facts.formats import FORMATS
@@ -199,9 +260,23 @@ def _plain_dtypes(result: VerifyResult, plain: set[str]) -> list[tuple[str, str]
     return out
 
 
-def record_verify(result: VerifyResult, path: Path) -> str:
-    """Write (or replace) the verify's recovery evidence in the policy file at `path`; returns the evidence id."""
-    entry = verify_entry(result)
+def verify_entries(result: VerifyResult) -> list[dict[str, Any]]:
+    """The evidence items a verify records: the needle recoveries (kernels on the GPU only) and the model-level
+    figures (when that check ran, on the GPU or the CPU)."""
+    entries = []
+    model = model_entry(result)
+    plain = {name for _, name in _plain_dtypes(result, {p.variant for p in result.points if "+" not in p.variant})}
+    measured = any(p.recovery is not None and p.variant in plain for p in result.points)
+    if model is None or (result.environment.backend == "triton" and measured):
+        entries.append(verify_entry(result))  # refuses a CPU run, or one with nothing to record
+    if model is not None:
+        entries.append(model)
+    return entries
+
+
+def record_verify(result: VerifyResult, path: Path) -> list[str]:
+    """Write (or replace) the verify's evidence in the policy file at `path`; returns the evidence ids."""
+    entries = verify_entries(result)
 
     def mutate(doc: Any) -> None:
         from ruamel.yaml.comments import CommentedMap, CommentedSeq
@@ -210,23 +285,27 @@ def record_verify(result: VerifyResult, path: Path) -> str:
         if not isinstance(items, list):
             items = CommentedSeq()
             doc["evidence"] = items
-        node = CommentedMap()
-        for k in ("id", "statement", "source"):
-            node[k] = entry[k]
-        recs = CommentedSeq()
-        for r in entry["recovery"]:
-            m = CommentedMap(r)
-            m.fa.set_flow_style()
-            recs.append(m)
-        node["recovery"] = recs
-        for i, item in enumerate(items):
-            if isinstance(item, dict) and item.get("id") == entry["id"]:
-                items[i] = node
-                return
-        items.append(node)
+        for entry in entries:
+            node = CommentedMap()
+            for k in ("id", "statement", "source"):
+                node[k] = entry[k]
+            for key in ("recovery", "model_check"):
+                if key in entry:
+                    rows = CommentedSeq()
+                    for r in entry[key]:
+                        m = CommentedMap(r)
+                        m.fa.set_flow_style()
+                        rows.append(m)
+                    node[key] = rows
+            for i, item in enumerate(items):
+                if isinstance(item, dict) and item.get("id") == entry["id"]:
+                    items[i] = node
+                    break
+            else:
+                items.append(node)
 
     update_policy_file(path, mutate)
-    return entry["id"]
+    return [e["id"] for e in entries]
 
 
 def update_policy_file(path: Path, mutate: Any) -> None:

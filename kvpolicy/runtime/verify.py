@@ -362,20 +362,15 @@ def model_thresholds(policy: Any) -> ModelThresholds:
 
 
 def _model_side(c: ModelCheck, t: ModelThresholds) -> tuple[str, list[str]]:
-    """`above` / `below` / `undecided` for one format's model-level figures, and the figures that fail."""
-    fails = []
-    if c.kl_mean > t.max_kl_mean:
-        fails.append(f"mean KL {c.kl_mean:.3g} > {t.max_kl_mean:g}")
-    if c.kl_p99 is not None and c.kl_p99 > t.max_kl_p99:
-        fails.append(f"p99 KL {c.kl_p99:.3g} > {t.max_kl_p99:g}")
-    if c.ppl_delta is not None and c.ppl_delta > t.max_ppl_increase:
-        fails.append(f"perplexity {c.ppl_delta:+.1%} > +{t.max_ppl_increase:.0%}")
-    agree = side(round(c.agreement * c.tokens), c.tokens, t.min_top1_agreement)
-    if agree == "below":
-        fails.append(f"top-1 agreement < {t.min_top1_agreement:.0%}")
-    if fails:
-        return "below", fails
-    return agree, []
+    """`above` / `below` / `undecided` for one format's model-level figures, and the figures that fail: the
+    judgement `recommend` applies to recorded figures (`judge_model_figures`), on the same rounded interval."""
+    from kvpolicy.facts.estimates import judge_model_figures
+
+    lo, hi = (c.agreement_low, c.agreement_high) if c.agreement_low is not None and c.agreement_high is not None \
+        else (round(x, 4) for x in wilson(round(c.agreement * c.tokens), c.tokens))
+    limits = {name: getattr(t, field) for field, name in MODEL_THRESHOLDS.items()}
+    verdict, fails = judge_model_figures(lo, hi, c.kl_mean, c.kl_p99, c.ppl_delta, limits)
+    return {"pass": "above"}.get(verdict, verdict), fails
 
 
 def model_verdicts(checks: list[ModelCheck], needle: list[VariantVerdict], variants: list[Variant],

@@ -202,3 +202,23 @@ def test_cli_round_trip_on_a_tiny_model(tmp_path, capsys):
     assert "evidence `verify-model-tiny-llama`" in acc["basis"]
     assert rec["trace"]["facts"]["accuracy.fp8_model_check"] in ("pass", "below", "undecided")
     assert "verify-model-tiny-llama" in [e["id"] for e in rec["evidence"]]
+
+
+def test_check_judges_a_recorded_figure_by_the_model_thresholds_not_the_floor(tmp_path):
+    """`kvpolicy check`: 93% agreement passes the model thresholds (>= 90%), so it is no floor violation; a pin
+    that serves a failing FP8 uncalibrated is one."""
+    from kvpolicy.policy.deployments import check_deployment
+
+    path = tmp_path / "acc.yaml"
+    record_verify(_verify(fp8=dict(GOOD, agreement=0.93, agreement_low=0.915, agreement_high=0.943)), path)
+    path.write_text(path.read_text() + "deployments:\n  - {name: chat, model: llama-3.1-8b, gpu: h100, context: 128k}\n")
+    loaded = load_policy(str(path))
+    ok = check_deployment(loaded, loaded.policy.deployments[0])
+    assert ok["status"] == "ok" and ok["accuracy_recovery"] == 0.93, ok["violations"]
+    record_verify(_verify(fp8=BAD), path)
+    path.write_text(path.read_text() + "pins:\n  - name: uncalibrated\n    when: {fact: model.id, op: eq, value: "
+                    "llama-3.1-8b}\n    set: {scale_source: uncalibrated}\n")
+    loaded = load_policy(str(path))
+    bad = check_deployment(loaded, loaded.policy.deployments[0])
+    assert bad["status"] == "violation"
+    assert any("fails the model-level check recorded for llama-3.1-8b" in v for v in bad["violations"])

@@ -52,10 +52,11 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", "-f", choices=["table", "json"], default="table", help="what to print")
     parser.add_argument("--seed", type=bounded_int("--seed", 0, 2**32 - 1), default=0,
                         help="random seed of the synthetic K/V (default 0)")
-    what = "slopes and break-even" if name == "bench" else "needle recoveries (per dtype and context)"
+    what = ("slopes and break-even into this policy file as evidence for this model and GPU (GPU runs only)"
+            if name == "bench" else "needle recoveries (per dtype and context; GPU runs only) and model-level figures "
+            "(from the GPU or the CPU) into this policy file as evidence for this model")
     parser.add_argument("--record", metavar="FILE", default=None,
-                        help=f"write the measured {what} into this policy file as evidence for this model and GPU "
-                             "(created, extending builtin:default, when missing; GPU runs only)")
+                        help=f"write the measured {what} (created, extending builtin:default, when missing)")
     if name == "bench":
         parser.add_argument("--batch", "-b", default="1",
                             help="batch sizes, comma separated (default 1: the documents' single request)")

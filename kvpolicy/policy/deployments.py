@@ -107,10 +107,26 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
                           f"{wl.context_tokens:,} tokens; the deployment needs {wl.concurrency}. Lower the "
                           "concurrency or context, or raise `tp`.")
     recovery = est.accuracy_recovery.value
-    if recovery is not None and recovery < wl.accuracy_floor:
-        # The figure is uncalibrated FP8's: it stands unless the checkpoint served already carries the scales.
-        below = (f"expected accuracy recovery {recovery:.0%} with uncalibrated scales is below the floor "
-                 f"{wl.accuracy_floor:.0%}")
+    below = None
+    if est.accuracy_recovery.unit == "ratio":
+        if recovery is not None and recovery < wl.accuracy_floor:
+            # The figure is uncalibrated FP8's: it stands unless the checkpoint served already carries the scales.
+            below = (f"expected accuracy recovery {recovery:.0%} with uncalibrated scales is below the floor "
+                     f"{wl.accuracy_floor:.0%}")
+    else:
+        # A model-level figure recorded for this model: judged by the `model_*` thresholds, as the rules judge it;
+        # the recovery at the context they also read still counts.
+        from kvpolicy.facts.formats import FORMATS
+
+        key = "fp8" if FORMATS[d.kv_cache_dtype].kind == "fp8" else d.kv_cache_dtype
+        facts = rec.trace.facts
+        context = facts.get(f"accuracy.{key}_recovery")
+        if facts.get(f"accuracy.{key}_model_check") == "below":
+            below = f"uncalibrated {key} fails the model-level check recorded for {rec.model}"
+        elif context is not None and context < wl.accuracy_floor:
+            below = (f"expected accuracy recovery {context:.0%} at {wl.context_tokens:,} tokens with uncalibrated "
+                     f"scales is below the floor {wl.accuracy_floor:.0%}")
+    if below is not None:
         if d.scale_source == "uncalibrated":
             violations.append(f"{below}; calibrate scales or keep BF16.")
         else:

@@ -72,6 +72,14 @@ def test_table_shows_decision_command_and_rules(capsys):
     assert "measured" in out and "modelled" in out
 
 
+def test_table_command_loads_a_local_config_by_its_folder(capsys):
+    """`--model DIR/config.json` prints `vllm serve DIR` (vLLM loads folders, not config files), as apply runs it."""
+    folder = FIXTURES / "llama-3.1-8b-instruct"
+    code, out, _ = run_cli(capsys, "recommend", "--model", str(folder / "config.json"), "--gpu", "h100")
+    assert code == 0
+    assert f"vllm serve {folder.resolve()} --kv-cache-dtype" in " ".join(out.split())
+
+
 def test_explain_lists_every_rule(capsys):
     code, out, _ = run_cli(capsys, "explain", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "4k")
     assert code == 0

@@ -313,6 +313,15 @@ def test_max_concurrency_is_whole_blocks_not_bytes():
     assert cap.fits_one
 
 
+def test_a_given_block_size_replaces_the_backend_default():
+    """`--block-size 128` (vLLM's CPU default): 128-token pages, blocks per request at that granularity."""
+    arch = arch_of("llama-3.1-8b-instruct")
+    kv_plan = plan(arch, Layout.of(arch, "fp8", (), 1, H100), 1000, H100, block_size=128)
+    assert (kv_plan.block_size, kv_plan.blocks_per_request) == (128, cdiv(1000, 128))
+    assert kv_plan.bytes_per_block == 32 * 128 * 8 * 2 * 128  # layers x tokens x H x (K, V) x D, one byte each
+    assert plan(arch, Layout.of(arch, "fp8", (), 1, H100), 1000, H100).block_size == 16
+
+
 # -- decisions priced with the real layers ------------------------------------------------------
 
 

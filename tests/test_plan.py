@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -187,6 +188,16 @@ def test_cli_json_round_trips_and_table_names_the_choice(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "chosen     fp8@tp1" in out and "--kv-cache-dtype fp8" in out and "runner-up" in out
+    assert "vllm serve meta-llama/Llama-3.1-8B-Instruct --kv-cache-dtype fp8" in out
+
+
+def test_table_command_names_the_model_as_apply_loads_it(capsys):
+    """A local config prints its folder (what `kvpolicy apply` hands vLLM), never a placeholder or config.json."""
+    folder = Path(__file__).parent / "fixtures" / "hf" / "llama-3.1-8b-instruct"
+    for spec in (folder, folder / "config.json"):
+        assert main(["plan", "-m", str(spec), "-g", "h100", "-t", "isl=20k,osl=2k,concurrency=8"]) == 0
+        out = capsys.readouterr().out
+        assert f"vllm serve {folder.resolve()} --kv-cache-dtype" in out, out
 
 
 def test_plot_writes_a_png_and_keeps_an_existing_file(tmp_path, capsys):

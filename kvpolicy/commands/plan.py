@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
     from kvpolicy.inputs.traffic import Slo, parse_slo, parse_traffic
     from kvpolicy.inputs.workload import make_workload
+    from kvpolicy.outputs.compat import model_for_vllm
     from kvpolicy.outputs.plan import plan
     from kvpolicy.outputs.plan_render import plot_plan, render_plan
     from kvpolicy.rules.validate import load_policy
@@ -69,5 +70,5 @@ def run(args: argparse.Namespace) -> int:
 
         out = plot_plan(result, args.plot)
         sys.stderr.write(f"kvpolicy plan: wrote {out}\n")
-    render_plan(result, args.format)
+    render_plan(result, args.format, model_ref=model_for_vllm(arch, args.model))
     return 0

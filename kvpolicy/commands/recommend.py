@@ -27,6 +27,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate one deployment and print the decision."""
+    from kvpolicy.outputs.compat import model_for_vllm
     from kvpolicy.outputs.recommend import recommend
 
     if args.command == "explain" and not args.deployment and not (args.model and args.gpu):
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
                          "--deployment NAME for a deployment of the policy (--policy, default ./kvpolicy.yaml).")
     inputs = deployment_inputs_from_args(args) if getattr(args, "deployment", None) else resolve_inputs(args)
     rec = recommend(inputs.arch, inputs.gpu, inputs.workload, inputs.loaded)
-    model_ref = inputs.arch.hf_id or args.model or inputs.arch.id
+    model_ref = model_for_vllm(inputs.arch, args.model)
     render(rec, args.format, model_ref=model_ref, explain=args.command == "explain")
     # Exit 1 (the answer is "not like this") while vLLM would refuse the printed flags at start-up.
     return EXIT_POLICY_FAILURE if rec.blockers else 0

@@ -409,9 +409,13 @@ class KvPlan:
         return "; ".join(out) + pad
 
 
-def plan(arch: ModelArch, layout: Layout, max_model_len: int, gpu: GpuSpec | None = None) -> KvPlan:
-    """vLLM's groups and blocks for a layout at a max_model_len (every step cites the vLLM function it follows)."""
-    return _plan(_ArchKey(arch), layout, max_model_len, _GpuKey(gpu))
+def plan(arch: ModelArch, layout: Layout, max_model_len: int, gpu: GpuSpec | None = None, *,
+         block_size: int | None = None) -> KvPlan:
+    """vLLM's groups and blocks for a layout at a max_model_len (every step cites the vLLM function it follows).
+
+    `block_size` is a `--block-size` given to vLLM (`cache_config.user_specified_block_size`): it replaces the
+    backend's preferred block of phase 1; the hybrid and skip-layer alignments still apply to it."""
+    return _plan(_ArchKey(arch), layout, max_model_len, _GpuKey(gpu), block_size)
 
 
 class _GpuKey:
@@ -431,13 +435,13 @@ class _GpuKey:
 
 
 @functools.lru_cache(maxsize=2048)
-def _plan(key: _ArchKey, layout: Layout, max_model_len: int, gpu_key: _GpuKey) -> KvPlan:
+def _plan(key: _ArchKey, layout: Layout, max_model_len: int, gpu_key: _GpuKey, block_size: int | None) -> KvPlan:
     arch, gpu = key.arch, gpu_key.gpu
     tp = layout.tp
     engine_dtype, _ = resolve_dtype(arch, layout.dtype, gpu.sm if gpu else None)
     defaults = serve_defaults(arch, gpu, engine_dtype)
     notes = list(layout.notes)
-    block = defaults.block_size
+    block = block_size or defaults.block_size
     fmt = FORMATS[engine_dtype]
     model_heads = max(1, arch.num_kv_heads // tp)
     elem = _element_bytes(FORMATS["auto"], arch.model_dtype)

@@ -6,22 +6,22 @@ from pathlib import Path
 
 from kvpolicy.facts.estimates import Estimate
 from kvpolicy.outputs.plan import PlanOption, PlanResult
-from kvpolicy.outputs.render import to_json
+from kvpolicy.outputs.render import shell_command, to_json
 
 
-def render_plan(result: PlanResult, fmt: str) -> None:
-    """Print the plan as `table` or `json`."""
+def render_plan(result: PlanResult, fmt: str, *, model_ref: str | None = None) -> None:
+    """Print the plan as `table` or `json` (`model_ref`: the model as `vllm serve` loads it)."""
     if fmt == "json":
         print(to_json(result))
     else:
-        _table(result)
+        _table(result, model_ref or result.model)
 
 
 def _v(e: Estimate, digits: str = ".3g") -> str:
     return "unbounded" if e.value is None else format(e.value, digits)
 
 
-def _table(r: PlanResult) -> None:
+def _table(r: PlanResult, model_ref: str) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -52,7 +52,7 @@ def _table(r: PlanResult) -> None:
         console.print(Text("chosen     ", style="bold green") + Text(f"{r.chosen.option}: {r.chosen.why}"),
                       soft_wrap=True)
         best = next(o for o in r.options if o.id == r.chosen.option)
-        console.print(Text("             vllm serve MODEL " + " ".join(best.vllm_args)), soft_wrap=True,
+        console.print(Text("             " + shell_command(model_ref, best.vllm_args)), soft_wrap=True,
                       highlight=False, markup=False)
     else:
         console.print(Text("no option meets the targets", style="bold red"), soft_wrap=True)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.datacache import builtin_data
 
 MATRIX_FILE = Path(__file__).with_name("backends.yaml")
 BackendKind = Literal["standard", "mla", "sparse_mla"]
@@ -81,12 +82,16 @@ class Matrix(_Strict):
     unavailable: dict[str, str] = Field(default_factory=dict)
 
 
+def _parse_yaml(text: str) -> Any:
+    from ruamel.yaml import YAML
+
+    return YAML(typ="safe").load(text)
+
+
 @functools.cache
 def matrix() -> Matrix:
     """The matrix, read once (a broken file is a bug in kvpolicy, so it raises)."""
-    from ruamel.yaml import YAML
-
-    data = YAML(typ="safe", pure=True).load(MATRIX_FILE.read_text(encoding="utf-8"))
+    data = builtin_data(MATRIX_FILE, MATRIX_FILE.read_text(encoding="utf-8"), _parse_yaml)
     m = Matrix.model_validate(data)
     for name, row in m.backends.items():
         unknown = [d for d in row.kv_dtypes if d not in FORMATS]

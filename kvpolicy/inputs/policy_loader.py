@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import KvPolicyError, PolicyError, did_you_mean
+from kvpolicy.inputs.datacache import PACKAGE_DIR, builtin_data
 from kvpolicy.inputs.policy_schema import Policy, PolicyLayer
 from kvpolicy.inputs.yamlio import (
     Problem,
@@ -164,7 +165,11 @@ def read_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
         seen.add(key)
         chain.append(name)
         texts.append(text)
-        data = load_safe(text, name) if name.startswith(BUILTIN) else load_roundtrip(text, name)
+        if name.startswith(BUILTIN):
+            data = builtin_data(PACKAGE_DIR / "rules" / f"{name[len(BUILTIN):]}.yaml", text,
+                                lambda t, where=name: load_safe(t, where))
+        else:
+            data = load_roundtrip(text, name)
         if data is None:
             data = {}
         if not isinstance(data, dict):

@@ -25,7 +25,7 @@ BackendKind = Literal["standard", "mla", "sparse_mla"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
 
 class HeadSizes(_Strict):

@@ -34,7 +34,7 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
 
 class RecurrentState(_Frozen):
@@ -197,7 +197,7 @@ class TpRule(_Frozen):
 class ModelArch(BaseModel):
     """What kvpolicy needs to know about a model to decide its KV cache."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
     id: str
     """Catalog id (lower case), or the folder name of a local config."""

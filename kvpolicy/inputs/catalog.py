@@ -35,7 +35,7 @@ _Spec = TypeVar("_Spec", "CatalogEntry", GpuSpec)
 class CatalogEntry(BaseModel):
     """A catalog model: the names it answers to and where its config.json is."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
     id: str
     hf_id: str

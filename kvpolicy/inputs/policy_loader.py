@@ -22,7 +22,6 @@ import hashlib
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -89,10 +88,10 @@ class LoadedPolicy:
         return f"{self.policy.name}@{self.content_hash}"
 
 
-def _builtin_root() -> Any:
+def _builtin_root() -> Path:
     # The built-in policies are the rules stage's data (kvpolicy/rules/*.yaml), read as package files:
-    # no module of the rules stage is imported.
-    return resources.files("kvpolicy") / "rules"
+    # no module of the rules stage is imported (nor importlib.resources: kvpolicy is installed as files).
+    return PACKAGE_DIR / "rules"
 
 
 def builtin_names() -> list[str]:
@@ -166,7 +165,7 @@ def read_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
         chain.append(name)
         texts.append(text)
         if name.startswith(BUILTIN):
-            data = builtin_data(PACKAGE_DIR / "rules" / f"{name[len(BUILTIN):]}.yaml", text,
+            data = builtin_data(_builtin_root() / f"{name[len(BUILTIN):]}.yaml", text,
                                 lambda t, where=name: load_safe(t, where))
         else:
             data = load_roundtrip(text, name)

@@ -177,11 +177,19 @@ def refusals(backend: str, dtype: str, sm: int | None, shape: AttentionShape, *,
     `sm` None (an unknown GPU) skips the compute-capability checks. `runtime` False leaves
     out refusals vLLM makes only after selection (what validate_configuration alone says).
     """
+    return list(_refusals(backend, dtype, sm, shape, per_head_scales, runtime))
+
+
+# The matrix is read once per process, so the answer depends on the arguments alone; the rules
+# engine asks the same few hundred combinations over and over.
+@functools.lru_cache(maxsize=16384)
+def _refusals(backend: str, dtype: str, sm: int | None, shape: AttentionShape, per_head_scales: bool,
+              runtime: bool) -> tuple[str, ...]:
     m = matrix()
     row = m.backends.get(backend)
     if row is None:
         why = m.unavailable.get(backend)
-        return [f"{backend}: {why}" if why else f"{backend} is not a CUDA attention backend of vLLM {m.vllm_version}"]
+        return (f"{backend}: {why}" if why else f"{backend} is not a CUDA attention backend of vLLM {m.vllm_version}",)
     out: list[str] = []
     if dtype not in row.kv_dtypes:
         out.append(f"kv_cache_dtype {dtype} not supported (serves {', '.join(row.kv_dtypes)})")
@@ -209,7 +217,7 @@ def refusals(backend: str, dtype: str, sm: int | None, shape: AttentionShape, *,
                 continue
             if any(_holds(ref.when, dtype, sm or 0, size, shape) for size in shape.head_sizes):
                 out.append(ref.reason)
-    return list(dict.fromkeys(out))
+    return tuple(dict.fromkeys(out))
 
 
 def priority_list(sm: int, shape: AttentionShape, dtype: str) -> list[str]:
@@ -233,8 +241,13 @@ def priority_list(sm: int, shape: AttentionShape, dtype: str) -> list[str]:
 
 def valid_backends(dtype: str, sm: int, shape: AttentionShape, *, per_head_scales: bool = False) -> list[str]:
     """The backends vLLM would accept, in its own order of preference."""
-    return [b for b in priority_list(sm, shape, dtype)
-            if not refusals(b, dtype, sm, shape, per_head_scales=per_head_scales)]
+    return list(_valid_backends(dtype, sm, shape, per_head_scales))
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_backends(dtype: str, sm: int, shape: AttentionShape, per_head_scales: bool) -> tuple[str, ...]:
+    return tuple(b for b in priority_list(sm, shape, dtype)
+                 if not _refusals(b, dtype, sm, shape, per_head_scales, True))
 
 
 def auto_backend(dtype: str, sm: int | None, shape: AttentionShape, *, per_head_scales: bool = False) -> str | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpolicy.formats import FORMATS, KvFormat
@@ -504,8 +505,10 @@ def _plan(key: _ArchKey, layout: Layout, max_model_len: int, gpu_key: _GpuKey) -
             if recurrent and defaults.mamba_align:
                 mamba_block = block
 
-    problems: list[str] = []
-    specs = _specs(arch, layout, block, skip_padded, mamba_padded, mamba_block, defaults, problems)
+    # Only Mamba specs read mamba_block, which is max_model_len outside the hybrids: without them, one spec list
+    # serves every context.
+    specs, problems = _specs(layout, block, skip_padded, mamba_padded, mamba_block if recurrent else 0,
+                             defaults.mamba_align, defaults.checkpoint_alignment)
     problem = problems[0] if problems else None
     try:
         groups = _groups(specs, max_model_len, defaults.in_flight_tokens)
@@ -532,11 +535,13 @@ def _largest_kernel_block_within(per_token: int, budget: int) -> int:
     return max(16, budget // per_token // 16 * 16)
 
 
-def _specs(arch: ModelArch, layout: Layout, block: int, skip_padded: int | None, mamba_padded: int | None,
-           mamba_block: int, defaults: ServeDefaults, problems: list[str]) -> list[_Spec]:
-    """One spec per cache module, as the layers' get_kv_cache_spec build them."""
-    tp = layout.tp
+@functools.lru_cache(maxsize=4096)
+def _specs(layout: Layout, block: int, skip_padded: int | None, mamba_padded: int | None, mamba_block: int,
+           mamba_align: bool, checkpoint_alignment: int | None) -> tuple[tuple[_Spec, ...], tuple[str, ...]]:
+    """One spec per cache module, as the layers' get_kv_cache_spec build them, and what vLLM would assert on."""
+    arch, tp = layout.arch, layout.tp
     out: list[_Spec] = []
+    problems: list[str] = []
     for spec, fmt in zip(arch.layers, layout.module_formats):
         if spec.kind in ("shared", "none"):
             continue  # KV sharing: no spec at all (v1/worker/gpu_model_runner.py get_kv_cache_spec)
@@ -546,8 +551,8 @@ def _specs(arch: ModelArch, layout: Layout, block: int, skip_padded: int | None,
                 continue
             # MambaSpec.max_memory_usage_bytes: align mode 2 + spec blocks + prefill checkpoint blocks
             # (Mamba-2 always declares one; GDN only with FlashInfer prefill; Mamba-1 none).
-            ckpt = 1 if (st.type == "mamba2" or (st.type == "gdn" and defaults.checkpoint_alignment)) else 0
-            n = 2 + ckpt if defaults.mamba_align else 1
+            ckpt = 1 if (st.type == "mamba2" or (st.type == "gdn" and checkpoint_alignment)) else 0
+            n = 2 + ckpt if mamba_align else 1
             ident = ("mamba", st.shapes(tp), st.dtypes())
             out.append(_Spec("mamba", mamba_block, st.bytes(tp), mamba_padded, identity=ident, mamba_blocks=n))
             continue
@@ -574,7 +579,7 @@ def _specs(arch: ModelArch, layout: Layout, block: int, skip_padded: int | None,
         if spec.indexer_head_dim:
             ib = indexer_bytes_per_token(spec.indexer_head_dim)
             out.append(_Spec("indexer", block, ib, None, 0, ("indexer", ib)))
-    return out
+    return tuple(out), tuple(problems)
 
 
 def _quant_identity(fmt: KvFormat, kind: str) -> tuple:
@@ -589,7 +594,7 @@ def _group_bytes(g: Group) -> int:
     return g.page_bytes * g.num_layers if not g.kind.startswith("mixed") else g.page_bytes
 
 
-def _groups(specs: list[_Spec], max_len: int, in_flight: int) -> list[Group]:
+def _groups(specs: Sequence[_Spec], max_len: int, in_flight: int) -> list[Group]:
     """`get_kv_cache_groups` (v1/core/kv_cache_planning.py)."""
     if not specs:
         return []
@@ -619,7 +624,7 @@ def _groups(specs: list[_Spec], max_len: int, in_flight: int) -> list[Group]:
     return groups
 
 
-def _uniform_type(specs: list[_Spec]) -> bool:
+def _uniform_type(specs: Sequence[_Spec]) -> bool:
     """`UniformTypeKVCacheSpecs.is_uniform_type`: one block size and one registered spec type."""
     if len({s.block_size for s in specs}) > 1:
         return False
@@ -633,7 +638,7 @@ def _uniform_type(specs: list[_Spec]) -> bool:
     return True
 
 
-def _unify_page_size(specs: list[_Spec]) -> list[_Spec]:
+def _unify_page_size(specs: Sequence[_Spec]) -> Sequence[_Spec]:
     """`unify_kv_cache_spec_page_size`: smaller pages grow their block size, or are padded (Mamba, non-dividing)."""
     pages = {s.page for s in specs}
     if len(pages) <= 1:

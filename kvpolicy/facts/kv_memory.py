@@ -125,14 +125,15 @@ class Layout:
 class _ArchKey:
     """A ModelArch compared and hashed by its content, so that equal architectures share cached layouts."""
 
-    __slots__ = ("arch", "content")
+    __slots__ = ("arch", "content", "hash")
 
     def __init__(self, arch: ModelArch) -> None:
         self.arch = arch
         self.content = arch.content_key
+        self.hash = arch.content_hash
 
     def __hash__(self) -> int:
-        return hash(self.content)
+        return self.hash
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _ArchKey) and self.content == other.content
@@ -506,19 +507,29 @@ def _plan(key: _ArchKey, layout: Layout, max_model_len: int, gpu_key: _GpuKey) -
                 mamba_block = block
 
     # Only Mamba specs read mamba_block, which is max_model_len outside the hybrids: without them, one spec list
-    # serves every context.
-    specs, problems = _specs(layout, block, skip_padded, mamba_padded, mamba_block if recurrent else 0,
-                             defaults.mamba_align, defaults.checkpoint_alignment)
+    # serves every context. GPUs with the same block size and in-flight tokens share the groups.
+    groups, problem = _allocation(layout, block, skip_padded, mamba_padded, mamba_block if recurrent else 0,
+                                  defaults.mamba_align, defaults.checkpoint_alignment, max_model_len,
+                                  defaults.in_flight_tokens)
+    bytes_per_block = max(_group_bytes(g) for g in groups) if groups else 0
+    bpr = sum(g.blocks_per_request for g in groups)
+    return KvPlan(layout, max_model_len, block, groups, bytes_per_block, bpr, defaults, tuple(notes), problem)
+
+
+@functools.lru_cache(maxsize=4096)
+def _allocation(layout: Layout, block: int, skip_padded: int | None, mamba_padded: int | None, mamba_block: int,
+                mamba_align: bool, checkpoint_alignment: int | None, max_model_len: int,
+                in_flight: int) -> tuple[tuple[Group, ...], str | None]:
+    """(KV cache groups, the first thing vLLM would assert on) for the specs of a layout at a max_model_len."""
+    specs, problems = _specs(layout, block, skip_padded, mamba_padded, mamba_block, mamba_align, checkpoint_alignment)
     problem = problems[0] if problems else None
     try:
-        groups = _groups(specs, max_model_len, defaults.in_flight_tokens)
+        groups = _groups(specs, max_model_len, in_flight)
     except ValueError as exc:
         problem = problem or str(exc)
         top = max(s.page for s in specs)
-        groups = _groups([replace(s, page_size_padded=top) for s in specs], max_model_len, defaults.in_flight_tokens)
-    bytes_per_block = max(_group_bytes(g) for g in groups) if groups else 0
-    bpr = sum(g.blocks_per_request for g in groups)
-    return KvPlan(layout, max_model_len, block, tuple(groups), bytes_per_block, bpr, defaults, tuple(notes), problem)
+        groups = _groups([replace(s, page_size_padded=top) for s in specs], max_model_len, in_flight)
+    return tuple(groups), problem
 
 
 def _packed_1tok(fmt: KvFormat, heads: int, arch: ModelArch, elem: int) -> int:

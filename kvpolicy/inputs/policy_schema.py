@@ -26,9 +26,9 @@ Scalar = Union[bool, int, float, str, None]
 
 class _Strict(BaseModel):
     # NaN and infinities compare false with everything, so a rule or threshold holding one never fires.
-    # defer_build (on every model of kvpolicy): validators are built on first use, so a command pays only
-    # for the models it uses, and a nested model's schema is built once, inside its parent's.
-    model_config = ConfigDict(defer_build=True, extra="forbid", allow_inf_nan=False)
+    # Built at import, unlike kvpolicy's other models (defer_build): `kvpolicy schema` attaches field docstrings
+    # and rebuilds, and its output must not depend on which of these models an earlier call built.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ThresholdRef(_Strict):
@@ -117,7 +117,7 @@ class Not(_Strict):
     not_: Condition = Field(alias="not")
     """Sub-condition."""
 
-    model_config = ConfigDict(defer_build=True, extra="forbid", populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 def _condition_kind(v: Any) -> str:
@@ -142,7 +142,8 @@ Condition = Annotated[
     ],
     Discriminator(_condition_kind),
 ]
-# AllOf, AnyOf and Not name Condition before it exists: their schemas are built (deferred) on first use.
+for _m in (AllOf, AnyOf, Not):
+    _m.model_rebuild()
 
 
 class DecisionPatch(_Strict):

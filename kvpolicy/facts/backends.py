@@ -18,13 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.datacache import builtin_data
 
 MATRIX_FILE = Path(__file__).with_name("backends.yaml")
 BackendKind = Literal["standard", "mla", "sparse_mla"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
 
 class HeadSizes(_Strict):
@@ -81,12 +82,16 @@ class Matrix(_Strict):
     unavailable: dict[str, str] = Field(default_factory=dict)
 
 
+def _parse_yaml(text: str) -> Any:
+    from ruamel.yaml import YAML
+
+    return YAML(typ="safe").load(text)
+
+
 @functools.cache
 def matrix() -> Matrix:
     """The matrix, read once (a broken file is a bug in kvpolicy, so it raises)."""
-    from ruamel.yaml import YAML
-
-    data = YAML(typ="safe", pure=True).load(MATRIX_FILE.read_text(encoding="utf-8"))
+    data = builtin_data(MATRIX_FILE, MATRIX_FILE.read_text(encoding="utf-8"), _parse_yaml)
     m = Matrix.model_validate(data)
     for name, row in m.backends.items():
         unknown = [d for d in row.kv_dtypes if d not in FORMATS]
@@ -172,11 +177,19 @@ def refusals(backend: str, dtype: str, sm: int | None, shape: AttentionShape, *,
     `sm` None (an unknown GPU) skips the compute-capability checks. `runtime` False leaves
     out refusals vLLM makes only after selection (what validate_configuration alone says).
     """
+    return list(_refusals(backend, dtype, sm, shape, per_head_scales, runtime))
+
+
+# The matrix is read once per process, so the answer depends on the arguments alone; the rules
+# engine asks the same few hundred combinations over and over.
+@functools.lru_cache(maxsize=16384)
+def _refusals(backend: str, dtype: str, sm: int | None, shape: AttentionShape, per_head_scales: bool,
+              runtime: bool) -> tuple[str, ...]:
     m = matrix()
     row = m.backends.get(backend)
     if row is None:
         why = m.unavailable.get(backend)
-        return [f"{backend}: {why}" if why else f"{backend} is not a CUDA attention backend of vLLM {m.vllm_version}"]
+        return (f"{backend}: {why}" if why else f"{backend} is not a CUDA attention backend of vLLM {m.vllm_version}",)
     out: list[str] = []
     if dtype not in row.kv_dtypes:
         out.append(f"kv_cache_dtype {dtype} not supported (serves {', '.join(row.kv_dtypes)})")
@@ -204,7 +217,7 @@ def refusals(backend: str, dtype: str, sm: int | None, shape: AttentionShape, *,
                 continue
             if any(_holds(ref.when, dtype, sm or 0, size, shape) for size in shape.head_sizes):
                 out.append(ref.reason)
-    return list(dict.fromkeys(out))
+    return tuple(dict.fromkeys(out))
 
 
 def priority_list(sm: int, shape: AttentionShape, dtype: str) -> list[str]:
@@ -228,8 +241,13 @@ def priority_list(sm: int, shape: AttentionShape, dtype: str) -> list[str]:
 
 def valid_backends(dtype: str, sm: int, shape: AttentionShape, *, per_head_scales: bool = False) -> list[str]:
     """The backends vLLM would accept, in its own order of preference."""
-    return [b for b in priority_list(sm, shape, dtype)
-            if not refusals(b, dtype, sm, shape, per_head_scales=per_head_scales)]
+    return list(_valid_backends(dtype, sm, shape, per_head_scales))
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_backends(dtype: str, sm: int, shape: AttentionShape, per_head_scales: bool) -> tuple[str, ...]:
+    return tuple(b for b in priority_list(sm, shape, dtype)
+                 if not _refusals(b, dtype, sm, shape, per_head_scales, True))
 
 
 def auto_backend(dtype: str, sm: int | None, shape: AttentionShape, *, per_head_scales: bool = False) -> str | None:

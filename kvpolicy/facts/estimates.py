@@ -35,7 +35,7 @@ Provenance = Literal["measured", "extrapolated", "modelled"]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
 
 class Estimate(_Model):

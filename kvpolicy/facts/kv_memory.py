@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpolicy.formats import FORMATS, KvFormat
@@ -124,14 +125,15 @@ class Layout:
 class _ArchKey:
     """A ModelArch compared and hashed by its content, so that equal architectures share cached layouts."""
 
-    __slots__ = ("arch", "content")
+    __slots__ = ("arch", "content", "hash")
 
     def __init__(self, arch: ModelArch) -> None:
         self.arch = arch
         self.content = arch.content_key
+        self.hash = arch.content_hash
 
     def __hash__(self) -> int:
-        return hash(self.content)
+        return self.hash
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _ArchKey) and self.content == other.content
@@ -508,18 +510,30 @@ def _plan(key: _ArchKey, layout: Layout, max_model_len: int, gpu_key: _GpuKey, b
             if recurrent and defaults.mamba_align:
                 mamba_block = block
 
-    problems: list[str] = []
-    specs = _specs(arch, layout, block, skip_padded, mamba_padded, mamba_block, defaults, problems)
+    # Only Mamba specs read mamba_block, which is max_model_len outside the hybrids: without them, one spec list
+    # serves every context. GPUs with the same block size and in-flight tokens share the groups.
+    groups, problem = _allocation(layout, block, skip_padded, mamba_padded, mamba_block if recurrent else 0,
+                                  defaults.mamba_align, defaults.checkpoint_alignment, max_model_len,
+                                  defaults.in_flight_tokens)
+    bytes_per_block = max(_group_bytes(g) for g in groups) if groups else 0
+    bpr = sum(g.blocks_per_request for g in groups)
+    return KvPlan(layout, max_model_len, block, groups, bytes_per_block, bpr, defaults, tuple(notes), problem)
+
+
+@functools.lru_cache(maxsize=4096)
+def _allocation(layout: Layout, block: int, skip_padded: int | None, mamba_padded: int | None, mamba_block: int,
+                mamba_align: bool, checkpoint_alignment: int | None, max_model_len: int,
+                in_flight: int) -> tuple[tuple[Group, ...], str | None]:
+    """(KV cache groups, the first thing vLLM would assert on) for the specs of a layout at a max_model_len."""
+    specs, problems = _specs(layout, block, skip_padded, mamba_padded, mamba_block, mamba_align, checkpoint_alignment)
     problem = problems[0] if problems else None
     try:
-        groups = _groups(specs, max_model_len, defaults.in_flight_tokens)
+        groups = _groups(specs, max_model_len, in_flight)
     except ValueError as exc:
         problem = problem or str(exc)
         top = max(s.page for s in specs)
-        groups = _groups([replace(s, page_size_padded=top) for s in specs], max_model_len, defaults.in_flight_tokens)
-    bytes_per_block = max(_group_bytes(g) for g in groups) if groups else 0
-    bpr = sum(g.blocks_per_request for g in groups)
-    return KvPlan(layout, max_model_len, block, tuple(groups), bytes_per_block, bpr, defaults, tuple(notes), problem)
+        groups = _groups([replace(s, page_size_padded=top) for s in specs], max_model_len, in_flight)
+    return tuple(groups), problem
 
 
 def _packed_1tok(fmt: KvFormat, heads: int, arch: ModelArch, elem: int) -> int:
@@ -536,11 +550,13 @@ def _largest_kernel_block_within(per_token: int, budget: int) -> int:
     return max(16, budget // per_token // 16 * 16)
 
 
-def _specs(arch: ModelArch, layout: Layout, block: int, skip_padded: int | None, mamba_padded: int | None,
-           mamba_block: int, defaults: ServeDefaults, problems: list[str]) -> list[_Spec]:
-    """One spec per cache module, as the layers' get_kv_cache_spec build them."""
-    tp = layout.tp
+@functools.lru_cache(maxsize=4096)
+def _specs(layout: Layout, block: int, skip_padded: int | None, mamba_padded: int | None, mamba_block: int,
+           mamba_align: bool, checkpoint_alignment: int | None) -> tuple[tuple[_Spec, ...], tuple[str, ...]]:
+    """One spec per cache module, as the layers' get_kv_cache_spec build them, and what vLLM would assert on."""
+    arch, tp = layout.arch, layout.tp
     out: list[_Spec] = []
+    problems: list[str] = []
     for spec, fmt in zip(arch.layers, layout.module_formats):
         if spec.kind in ("shared", "none"):
             continue  # KV sharing: no spec at all (v1/worker/gpu_model_runner.py get_kv_cache_spec)
@@ -550,8 +566,8 @@ def _specs(arch: ModelArch, layout: Layout, block: int, skip_padded: int | None,
                 continue
             # MambaSpec.max_memory_usage_bytes: align mode 2 + spec blocks + prefill checkpoint blocks
             # (Mamba-2 always declares one; GDN only with FlashInfer prefill; Mamba-1 none).
-            ckpt = 1 if (st.type == "mamba2" or (st.type == "gdn" and defaults.checkpoint_alignment)) else 0
-            n = 2 + ckpt if defaults.mamba_align else 1
+            ckpt = 1 if (st.type == "mamba2" or (st.type == "gdn" and checkpoint_alignment)) else 0
+            n = 2 + ckpt if mamba_align else 1
             ident = ("mamba", st.shapes(tp), st.dtypes())
             out.append(_Spec("mamba", mamba_block, st.bytes(tp), mamba_padded, identity=ident, mamba_blocks=n))
             continue
@@ -578,7 +594,7 @@ def _specs(arch: ModelArch, layout: Layout, block: int, skip_padded: int | None,
         if spec.indexer_head_dim:
             ib = indexer_bytes_per_token(spec.indexer_head_dim)
             out.append(_Spec("indexer", block, ib, None, 0, ("indexer", ib)))
-    return out
+    return tuple(out), tuple(problems)
 
 
 def _quant_identity(fmt: KvFormat, kind: str) -> tuple:
@@ -593,7 +609,7 @@ def _group_bytes(g: Group) -> int:
     return g.page_bytes * g.num_layers if not g.kind.startswith("mixed") else g.page_bytes
 
 
-def _groups(specs: list[_Spec], max_len: int, in_flight: int) -> list[Group]:
+def _groups(specs: Sequence[_Spec], max_len: int, in_flight: int) -> list[Group]:
     """`get_kv_cache_groups` (v1/core/kv_cache_planning.py)."""
     if not specs:
         return []
@@ -623,7 +639,7 @@ def _groups(specs: list[_Spec], max_len: int, in_flight: int) -> list[Group]:
     return groups
 
 
-def _uniform_type(specs: list[_Spec]) -> bool:
+def _uniform_type(specs: Sequence[_Spec]) -> bool:
     """`UniformTypeKVCacheSpecs.is_uniform_type`: one block size and one registered spec type."""
     if len({s.block_size for s in specs}) > 1:
         return False
@@ -637,7 +653,7 @@ def _uniform_type(specs: list[_Spec]) -> bool:
     return True
 
 
-def _unify_page_size(specs: list[_Spec]) -> list[_Spec]:
+def _unify_page_size(specs: Sequence[_Spec]) -> Sequence[_Spec]:
     """`unify_kv_cache_spec_page_size`: smaller pages grow their block size, or are padded (Mamba, non-dividing)."""
     pages = {s.page for s in specs}
     if len(pages) <= 1:

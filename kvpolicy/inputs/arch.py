@@ -34,7 +34,7 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
 
 class RecurrentState(_Frozen):
@@ -197,7 +197,7 @@ class TpRule(_Frozen):
 class ModelArch(BaseModel):
     """What kvpolicy needs to know about a model to decide its KV cache."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
     id: str
     """Catalog id (lower case), or the folder name of a local config."""
@@ -374,11 +374,16 @@ class ModelArch(BaseModel):
         """Every field as one hashable tuple: tables derived from the architecture are cached by it."""
         return tuple(_hashable(getattr(self, n)) for n in type(self).model_fields)
 
+    @cached_property
+    def content_hash(self) -> int:
+        """hash(content_key), computed once (a tuple does not keep its hash, and the layers make it long)."""
+        return hash(self.content_key)
+
     def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> ModelArch:
         """A copy with `update` applied, whose derived values (the cached properties) are computed afresh."""
         copy = super().model_copy(update=update, deep=deep)
-        for name in ("kind_counts", "max_head_dim", "kv_layer_indices", "is_hybrid", "content_key", "head_sizes",
-                     "has_recurrent_state", "is_sparse_mla", "_by_index"):
+        for name in ("kind_counts", "max_head_dim", "kv_layer_indices", "is_hybrid", "content_key", "content_hash",
+                     "head_sizes", "has_recurrent_state", "is_sparse_mla", "_by_index"):
             copy.__dict__.pop(name, None)
         return copy
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpolicy.errors import InputError
 from kvpolicy.inputs.arch import ModelArch
+from kvpolicy.inputs.datacache import builtin_data
 from kvpolicy.inputs.gpus import GpuSpec, detect_gpu_names
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -34,7 +35,7 @@ _Spec = TypeVar("_Spec", "CatalogEntry", GpuSpec)
 class CatalogEntry(BaseModel):
     """A catalog model: the names it answers to and where its config.json is."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
     id: str
     hf_id: str
@@ -197,21 +198,25 @@ def _catalog(kind: type[_Spec], path: Path) -> tuple[dict[str, _Spec], dict[str,
     return items, index
 
 
-def _read_entries(path: Path) -> dict[str, dict[str, Any]]:
+def _parse_yaml(text: str, path: Path) -> Any:
     from ruamel.yaml import YAML
     from ruamel.yaml.error import YAMLError
 
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read the catalog ({exc}). Reinstall kvpolicy or check the path.") from None
-    try:
-        data = YAML(typ="safe").load(text)
+        return YAML(typ="safe").load(text)
     except YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InputError(f"{at}: malformed YAML ({problem}). Fix the syntax there.") from None
+
+
+def _read_entries(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the catalog ({exc}). Reinstall kvpolicy or check the path.") from None
+    data = builtin_data(path, text, lambda t: _parse_yaml(t, path))
     if not isinstance(data, dict) or not data:
         raise InputError(f"{path}: expected a mapping of catalog ids to entries, found {type(data).__name__}.")
     for key, entry in data.items():

@@ -14,7 +14,7 @@ Generation = Literal["ampere", "ada", "hopper", "blackwell", "cdna3", "cdna4"]
 class GpuSpec(BaseModel):
     """One GPU model as the rules see it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
     id: str
     """Catalog id, e.g. `h100-sxm`."""

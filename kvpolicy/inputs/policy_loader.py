@@ -22,11 +22,11 @@ import hashlib
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import KvPolicyError, PolicyError, did_you_mean
+from kvpolicy.inputs.datacache import PACKAGE_DIR, builtin_data
 from kvpolicy.inputs.policy_schema import Policy, PolicyLayer
 from kvpolicy.inputs.yamlio import (
     Problem,
@@ -88,10 +88,10 @@ class LoadedPolicy:
         return f"{self.policy.name}@{self.content_hash}"
 
 
-def _builtin_root() -> Any:
+def _builtin_root() -> Path:
     # The built-in policies are the rules stage's data (kvpolicy/rules/*.yaml), read as package files:
-    # no module of the rules stage is imported.
-    return resources.files("kvpolicy") / "rules"
+    # no module of the rules stage is imported (nor importlib.resources: kvpolicy is installed as files).
+    return PACKAGE_DIR / "rules"
 
 
 def builtin_names() -> list[str]:
@@ -164,7 +164,11 @@ def read_policy(spec: str | Path | None = None, *, read: Reader | None = None) -
         seen.add(key)
         chain.append(name)
         texts.append(text)
-        data = load_safe(text, name) if name.startswith(BUILTIN) else load_roundtrip(text, name)
+        if name.startswith(BUILTIN):
+            data = builtin_data(_builtin_root() / f"{name[len(BUILTIN):]}.yaml", text,
+                                lambda t, where=name: load_safe(t, where))
+        else:
+            data = load_roundtrip(text, name)
         if data is None:
             data = {}
         if not isinstance(data, dict):

@@ -26,6 +26,8 @@ Scalar = Union[bool, int, float, str, None]
 
 class _Strict(BaseModel):
     # NaN and infinities compare false with everything, so a rule or threshold holding one never fires.
+    # Built at import, unlike kvpolicy's other models (defer_build): `kvpolicy schema` attaches field docstrings
+    # and rebuilds, and its output must not depend on which of these models an earlier call built.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 

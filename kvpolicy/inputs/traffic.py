@@ -13,7 +13,7 @@ from kvpolicy.inputs.workload import parse_tokens
 class Traffic(BaseModel):
     """Requests the deployment serves: lengths, and a request rate, a concurrency or a burst."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     isl: int = Field(gt=0, le=16_777_216)
     """Input (prompt) tokens per request."""
@@ -52,7 +52,7 @@ class Traffic(BaseModel):
 class Slo(BaseModel):
     """Latency targets; a missing one is not checked."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     ttft_s: float | None = Field(default=None, gt=0)
     """Mean time to first token, seconds."""

@@ -21,7 +21,7 @@ MAX_TOKENS = 16_777_216
 class Workload(BaseModel):
     """What the deployment asks of the GPU."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(defer_build=True, extra="forbid", allow_inf_nan=False)
 
     context_tokens: int = Field(default=32768, gt=0, le=MAX_TOKENS)
     """Context length per request (prompt plus output), in tokens."""

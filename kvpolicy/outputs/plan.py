@@ -46,7 +46,7 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
 
 class CurvePoint(_Model):

@@ -14,7 +14,7 @@ from kvpolicy.inputs.policy_schema import Scalar, ScaleSource, TwoLevel
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(defer_build=True, extra="forbid", allow_inf_nan=False)
 
 
 class TestInputs(_Strict):

@@ -17,7 +17,7 @@ from kvpolicy.inputs.workload import Workload
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
 
 class Decision(_Model):

@@ -13,7 +13,7 @@ from kvpolicy.rules.decision import Decision
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, use_attribute_docstrings=True, extra="forbid")
 
 
 class Environment(_Model):

@@ -42,7 +42,7 @@ def _tokens(value: Any) -> int:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(defer_build=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class RecommendRequest(_Body):

@@ -203,8 +203,9 @@ def position(data: Any, loc: tuple[Any, ...]) -> tuple[int, int] | None:
         except (KeyError, IndexError, TypeError):
             pass
         break
-    if best is None and getattr(data, "lc", None) is not None:
-        best = (data.lc.line + 1, data.lc.col + 1)
+    lc = getattr(data, "lc", None)
+    if best is None and lc is not None and lc.line is not None and lc.col is not None:
+        best = (lc.line + 1, lc.col + 1)
     return best
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvpolicy.errors import InputError
-from kvpolicy.facts.formats import FORMATS
 from kvpolicy.facts.kv_memory import layer_kv_bytes_per_token
+from kvpolicy.formats import FORMATS
 from kvpolicy.inputs import catalog
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 

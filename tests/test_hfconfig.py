@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from kvpolicy.errors import InputError
-from kvpolicy.facts.formats import FORMATS
 from kvpolicy.facts.kv_memory import layer_kv_bytes_per_token
+from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.catalog import resolve_model
 from kvpolicy.inputs.hfconfig import arch_from_hf_config, load_hf_config

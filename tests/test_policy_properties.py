@@ -10,12 +10,12 @@ import json
 import tempfile
 from pathlib import Path
 
-from hypothesis import example, HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.errors import KvPolicyError
 from kvpolicy.facts.build import FACTS
-from kvpolicy.facts.formats import FORMATS
+from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.policy_schema import DECISION_FIELDS
 from kvpolicy.inputs.workload import make_workload

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import itertools
+import math
 
 import pytest
 
-from kvpolicy.facts.formats import FORMATS
 from kvpolicy.facts.kv_memory import layer_kv_bytes_per_token
+from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
 from kvpolicy.inputs.workload import make_workload, parse_tokens
 from kvpolicy.outputs.recommend import recommend

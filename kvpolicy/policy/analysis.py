@@ -16,7 +16,14 @@ import typing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvpolicy.inputs.policy_schema import AllOf, AnyOf, Compare, Condition, Policy, ThresholdRef
+from kvpolicy.inputs.policy_schema import (
+    AllOf,
+    AnyOf,
+    Compare,
+    Condition,
+    Policy,
+    ThresholdRef,
+)
 
 BOOL_FACTS = {"model.is_hybrid", "model.has_attention_sinks", "gpu.fp8_compute", "memory.weights_fit",
               "memory.fits_bf16", "memory.fits_fp8", "memory.fits_turboquant_4bit_nc",
@@ -37,7 +44,7 @@ ALWAYS_SET = BOOL_FACTS | {"model.attention", "gpu.generation", "gpu.vendor", "g
 def domains() -> dict[str, frozenset[Any]]:
     """The closed set of values of each enumerated fact (from the catalogs and the decision types)."""
     from kvpolicy.facts.estimates import ModelVerdict
-    from kvpolicy.facts.formats import FORMATS
+    from kvpolicy.formats import FORMATS
     from kvpolicy.inputs.arch import AttentionKind
     from kvpolicy.inputs.catalog import load_gpus
     from kvpolicy.inputs.policy_schema import ScaleSource, TwoLevel

@@ -116,7 +116,7 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
     else:
         # A model-level figure recorded for this model: judged by the `model_*` thresholds, as the rules judge it;
         # the recovery at the context they also read still counts.
-        from kvpolicy.facts.formats import FORMATS
+        from kvpolicy.formats import FORMATS
 
         key = "fp8" if FORMATS[d.kv_cache_dtype].kind == "fp8" else d.kv_cache_dtype
         facts = rec.trace.facts

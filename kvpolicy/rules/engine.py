@@ -18,7 +18,7 @@ from typing import Any
 
 from kvpolicy.errors import PolicyError
 from kvpolicy.facts import backends
-from kvpolicy.facts.formats import FORMATS
+from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.policy_schema import (
     DECISION_FIELDS,
     AllOf,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvpolicy.errors import PolicyError, did_you_mean
 from kvpolicy.facts.build import FACTS
-from kvpolicy.facts.formats import FORMATS
+from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.policy_loader import LoadedPolicy, Reader, read_policy
 from kvpolicy.inputs.policy_schema import Policy
 from kvpolicy.inputs.policy_sources import Sources

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpolicy.errors import InputError
-from kvpolicy.facts.formats import KvFormat
 from kvpolicy.facts.kv_memory import Layout, layer_kv_bytes_per_token
+from kvpolicy.formats import KvFormat
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.runtime.variants import Variant
 
@@ -246,7 +246,10 @@ def allocate(plans: list[LayerPlan], batch: int, max_context: int, device: Any,
         num_blocks = batch * pages
         c = LayerCache(plan=plan)
         if plan.fmt.kind == "turboquant":
-            from kvpolicy.kernels.turboquant import allocate_tq_cache, allocate_tq_planar_cache
+            from kvpolicy.kernels.turboquant import (
+                allocate_tq_cache,
+                allocate_tq_planar_cache,
+            )
 
             # the Gluon kernel reads planar pages (the same bytes per token as the slots the Triton kernel reads)
             planar = plan.kernel_path("triton", gluon_available(torch.device(device))) == "gluon"
@@ -272,7 +275,7 @@ def allocate(plans: list[LayerPlan], batch: int, max_context: int, device: Any,
         if per_token != plan.bytes_per_token:
             raise RuntimeError(f"layer {plan.index}: the {plan.fmt.name} cache takes {per_token} bytes per token, "
                                f"the KV-bytes formula says {plan.bytes_per_token}: the kernels' layout and "
-                               "kvpolicy.facts.formats disagree.")
+                               "kvpolicy.formats disagree.")
         rows = torch.arange(batch, dtype=torch.int32)[:, None] * pages
         cols = torch.arange(logical, dtype=torch.int32)[None, :] % pages
         c.block_tables = (rows + cols).contiguous().to(device)

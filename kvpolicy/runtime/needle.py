@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvpolicy.errors import InputError
-from kvpolicy.facts.formats import FORMATS
 from kvpolicy.facts.kv_memory import layer_kv_bytes_per_token
+from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.runtime import ops
 from kvpolicy.runtime.caches import LayerPlan, allocate, plan_layers, slots_for

@@ -199,7 +199,7 @@ def model_entry(result: VerifyResult) -> dict[str, Any] | None:
     """The evidence item of the model-level check (None when it did not run): per format measured (plain and
     calibrated FP8 twins, all layers; the one-level diagnostic and skip-layer variants left out), its figures
     scoped to the model, and to the GPU when the kernels ran there."""
-    from kvpolicy.facts.formats import FORMATS
+    from kvpolicy.formats import FORMATS
     from kvpolicy.runtime.variants import parse_variant
 
     env = result.environment
@@ -247,7 +247,7 @@ def _interval(agreement: float, tokens: int) -> tuple[float, float]:
 
 def _plain_dtypes(result: VerifyResult, plain: set[str]) -> list[tuple[str, str]]:
     """(vLLM dtype, variant name) of the plain candidates, BF16 left out."""
-    from kvpolicy.facts.formats import FORMATS
+    from kvpolicy.formats import FORMATS
     from kvpolicy.runtime.variants import parse_variant
 
     out = []
@@ -318,7 +318,12 @@ def update_policy_file(path: Path, mutate: Any) -> None:
     from pydantic import ValidationError
 
     from kvpolicy.inputs.policy_schema import Policy
-    from kvpolicy.inputs.yamlio import format_validation_error, load_roundtrip, to_plain, update_yaml_file
+    from kvpolicy.inputs.yamlio import (
+        format_validation_error,
+        load_roundtrip,
+        to_plain,
+        update_yaml_file,
+    )
 
     def change(doc: Any) -> Any:
         if not isinstance(doc, dict):

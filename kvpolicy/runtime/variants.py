@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from kvpolicy.errors import InputError
 from kvpolicy.facts.estimates import variant_key
-from kvpolicy.facts.formats import FORMATS
+from kvpolicy.formats import FORMATS
 from kvpolicy.rules.decision import Decision
 
 SCALE_MODIFIERS = {"uncalibrated": "uncalibrated", "per_tensor": "checkpoint_per_tensor",

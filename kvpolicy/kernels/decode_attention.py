@@ -31,8 +31,20 @@ from kvpolicy.kernels.launch import (
     split_count,
     split_partials,
 )
-from kvpolicy.kernels.paged_store import _round_away, check_pth_cache, check_scale, fp8_e4m3_bits, pth_scales, rht_matrix
-from kvpolicy.kernels.turboquant import i8_program, nibbles_program, render_ptx, v4_program
+from kvpolicy.kernels.paged_store import (
+    check_pth_cache,
+    check_scale,
+    fp8_e4m3_bits,
+    pth_scales,
+    rht_matrix,
+    round_away,
+)
+from kvpolicy.kernels.turboquant import (
+    i8_program,
+    nibbles_program,
+    render_ptx,
+    v4_program,
+)
 
 P_SCALE = tl.constexpr(256.0)
 """Softmax probabilities (<= 1) are multiplied by this before the e4m3 cast, so
@@ -212,8 +224,8 @@ def _int8_query(q, q_rows, h_mask, PTH: tl.constexpr, DATA_BYTES: tl.constexpr, 
     else:
         lo = q
         hi = q
-    q_lo = _round_away(tl.math.div_rn(lo, q_scale)).to(tl.int32)
-    q_hi = _round_away(tl.math.div_rn(hi, q_scale)).to(tl.int32)
+    q_lo = round_away(tl.math.div_rn(lo, q_scale)).to(tl.int32)
+    q_hi = round_away(tl.math.div_rn(hi, q_scale)).to(tl.int32)
     q_sum = tl.sum(q_lo, 1) + tl.sum(q_hi, 1)
     if INTERPRET:
         # integer-valued fp32: the interpreter's products and sums of these stay exact
@@ -616,16 +628,32 @@ def decode_attention(
     cfg = config or default_config(head_dim, kv_fp8, device)
     splits = num_splits or split_count(batch, num_kv_heads, span(block_tables, page_size, sliding_window, cfg.block_n),
                                        cfg.block_n, programs_per_sm(head_dim, kv_fp8, device), device)
+    kc = key_cache.view(torch.uint8) if kv_fp8 else key_cache
+    vc = value_cache.view(torch.uint8) if kv_fp8 else value_cache
+    _launch(query, kc, vc, block_tables, seq_lens, k_scale, v_scale, sinks, out, scale, sliding_window, splits, cfg,
+            page_size, kv_fp8=kv_fp8, fp8_query=fp8_query, two_level=two_level, k_stride=k_stride,
+            v_stride=v_stride, FP8_PV=kv_fp8 and not two_level)
+    return out
+
+
+def _launch(query: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+            sinks: torch.Tensor | None, out: torch.Tensor, scale: float, sliding_window: int | None, splits: int,
+            cfg: DecodeConfig, page_size: int, *, kv_fp8: bool, fp8_query: bool, two_level: bool, k_stride: int = 0,
+            v_stride: int = 0, inline_scales: torch.Tensor | None = None, **path: int | bool) -> None:
+    """One launch of the paged kernel and the merge of its splits: shared by the BF16/FP8 and per-token-head
+    entry points, which differ only in their caches and the `path` constexprs (FP8_PV, the PTH fields);
+    `inline_scales` (the per-token-head cache as fp32) takes the k_scale pointer's place."""
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = kc.shape[2]
     group = num_q_heads // num_kv_heads
     is_split = splits > 1
     part_out, part_lse = split_partials(out, splits)
-    kc = key_cache.view(torch.uint8) if kv_fp8 else key_cache
-    vc = value_cache.view(torch.uint8) if kv_fp8 else value_cache
     dummy = seq_lens
     _decode_attention_kernel[(num_kv_heads, splits, batch)](
         query, kc, vc, block_tables, seq_lens,
-        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
-        sinks if sinks is not None else dummy, out, part_out, part_lse,
+        inline_scales if inline_scales is not None else k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy, sinks if sinks is not None else dummy, out, part_out, part_lse,
         scale, int(sliding_window or 0), splits,
         query.stride(0), query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -650,13 +678,12 @@ def decode_attention(
         TWO_LEVEL=two_level,
         DEFER_SUM=cfg.defer_sum,
         INTERPRET=interpreting(),
-        FP8_PV=kv_fp8 and not two_level,
+        **path,
         num_warps=NUM_WARPS,
         num_stages=cfg.num_stages,
     )
     if is_split:
         merge_splits(part_out, part_lse, sinks, out, splits)
-    return out
 
 
 def pth_config(head_dim: int, fmt: str, device: torch.device) -> DecodeConfig:
@@ -753,46 +780,10 @@ def decode_attention_pth(
     cfg = config or pth_config(head_dim, fmt, device)
     splits = num_splits or split_count(batch, num_kv_heads, span(block_tables, cache.shape[1], sliding_window, cfg.block_n),
                                        cfg.block_n, pth_programs_per_sm(head_dim, fmt, device), device)
-    group = num_q_heads // num_kv_heads
-    is_split = splits > 1
-    part_out, part_lse = split_partials(dst, splits)
-    _decode_attention_kernel[(num_kv_heads, splits, batch)](
-        query, cache, cache, block_tables, seq_lens,
-        pth_scales(cache), seq_lens, sinks if sinks is not None else seq_lens, dst, part_out, part_lse,
-        scale, int(sliding_window or 0), splits,
-        query.stride(0), query.stride(1),
-        cache.stride(0), cache.stride(1), cache.stride(2),
-        cache.stride(0), cache.stride(1), cache.stride(2),
-        block_tables.stride(0),
-        dst.stride(0), dst.stride(1),
-        num_q_heads * splits, splits, 1,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=cfg.block_n,
-        PAGE_SIZE=cache.shape[1],
-        KV_FP8=fmt == "fp8_per_token_head",
-        FP8_QUERY=fp8_query,
-        HAS_K_SCALE=False,
-        HAS_V_SCALE=False,
-        K_SCALE_STRIDE=0,
-        V_SCALE_STRIDE=0,
-        HAS_WINDOW=sliding_window is not None,
-        HAS_SINKS=sinks is not None and not is_split,
-        IS_SPLIT=is_split,
-        TWO_LEVEL=two_level,
-        DEFER_SUM=cfg.defer_sum,
-        INTERPRET=interpreting(),
-        PTH=PTH_MODE[fmt],
-        DATA_BYTES=lay.data_bytes,
-        V_OFF=lay.v_off,
-        KS_OFF4=lay.k_scale_off // 4,
-        VS_OFF4=lay.v_scale_off // 4,
-        num_warps=NUM_WARPS,
-        num_stages=cfg.num_stages,
-    )
-    if is_split:
-        merge_splits(part_out, part_lse, sinks, dst, splits)
+    _launch(query, cache, cache, block_tables, seq_lens, None, None, sinks, dst, scale, sliding_window, splits, cfg,
+            cache.shape[1], kv_fp8=fmt == "fp8_per_token_head", fp8_query=fp8_query, two_level=two_level,
+            inline_scales=pth_scales(cache), PTH=PTH_MODE[fmt], DATA_BYTES=lay.data_bytes, V_OFF=lay.v_off,
+            KS_OFF4=lay.k_scale_off // 4, VS_OFF4=lay.v_scale_off // 4)
     if int4:
         out.copy_(dst @ (rot.T / head_dim))
     return out

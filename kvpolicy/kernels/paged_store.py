@@ -321,7 +321,7 @@ PTH_FLOOR = tl.constexpr(PTH_SCALE_FLOOR)
 
 
 @triton.jit
-def _round_away(x):
+def round_away(x):
     """Round half away from zero, as an integer-valued fp32 (vLLM's `where(x >= 0, x + 0.5, x - 0.5)` truncated)."""
     x = tl.minimum(tl.maximum(x, -1073741824.0), 1073741824.0)  # in int32's range; every caller clamps after
     return tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int32).to(tl.float32)
@@ -337,9 +337,9 @@ def _pth_side(src, dst, scale_dst, mask, offs_c, MODE: tl.constexpr, QMAX: tl.co
         mn = tl.minimum(tl.min(lo, 1), tl.min(hi, 1))
         mx = tl.maximum(tl.max(lo, 1), tl.max(hi, 1))
         scale = tl.maximum(tl.math.div_rn(mx - mn, tl.full(mx.shape, QMAX, tl.float32)), PTH_FLOOR)
-        zp = tl.minimum(tl.maximum(_round_away(tl.math.div_rn(-mn, scale)), 0.0), 15.0)
-        q_lo = tl.minimum(tl.maximum(_round_away(tl.math.div_rn(lo, scale[:, None]) + zp[:, None]), 0.0), 15.0)
-        q_hi = tl.minimum(tl.maximum(_round_away(tl.math.div_rn(hi, scale[:, None]) + zp[:, None]), 0.0), 15.0)
+        zp = tl.minimum(tl.maximum(round_away(tl.math.div_rn(-mn, scale)), 0.0), 15.0)
+        q_lo = tl.minimum(tl.maximum(round_away(tl.math.div_rn(lo, scale[:, None]) + zp[:, None]), 0.0), 15.0)
+        q_hi = tl.minimum(tl.maximum(round_away(tl.math.div_rn(hi, scale[:, None]) + zp[:, None]), 0.0), 15.0)
         codes = q_lo.to(tl.int32) | (q_hi.to(tl.int32) << 4)
         bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)
         scale = bits.to(tl.float32, bitcast=True)
@@ -351,7 +351,7 @@ def _pth_side(src, dst, scale_dst, mask, offs_c, MODE: tl.constexpr, QMAX: tl.co
         if MODE == 1:
             codes = fp8_e4m3_bits(q)
         else:
-            codes = tl.minimum(tl.maximum(_round_away(q), -128.0), 127.0).to(tl.int32) & 0xFF
+            codes = tl.minimum(tl.maximum(round_away(q), -128.0), 127.0).to(tl.int32) & 0xFF
     tl.store(dst[:, None] + offs_c[None, :], codes.to(tl.uint8), mask=mask[:, None])
     tl.store(scale_dst, scale, mask=mask)
 

@@ -150,3 +150,18 @@ def test_per_token_head_entry_points_refuse_out_of_range_indices(device: str, fm
     bt[0, 0] = BLOCKS
     with pytest.raises(ValueError, match="outside the cache"):
         decode_attention_pth(q, cache, bt, torch.tensor([3], dtype=torch.int32, device=device), fmt)
+
+
+
+def test_unchecked_skips_the_range_checks_only_inside_its_block(device: str) -> None:
+    """The runtime, which builds its own tables, turns the checks (a host sync each) off; after its block, even
+    one left by an exception, a direct call is checked again."""
+    from kvpolicy.kernels.guards import check_paged_ranges, unchecked
+
+    _, _, _, bt = _paged(device)
+    bad = torch.tensor([BLOCKS * PAGE + 1], dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError), unchecked():
+        check_paged_ranges(bt, bad, BLOCKS, PAGE)  # skipped: no error
+        raise RuntimeError("leave the block by an exception")
+    with pytest.raises(ValueError, match=r"seq_lens must be in"):
+        check_paged_ranges(bt, bad, BLOCKS, PAGE)

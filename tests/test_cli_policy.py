@@ -180,6 +180,17 @@ deployments:
     assert "PASS    2 cases" in out and "gpu `h100x8` names 8 GPUs but tp is 2" in out
 
 
+def test_check_says_one_request_in_the_singular(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("kvpolicy.yaml").write_text("""extends: builtin:default
+deployments:
+  - {name: one, model: llama-3.3-70b, gpu: h100, tp: 2, context: 64k, concurrency: 2}
+""")
+    code, out, _ = run_cli(capsys, "check")
+    assert code == 1 and "capacity: 1 request fits (2 needed)" in out
+    assert "violation: fp8 holds 1 request of 65,536 tokens" in out
+
+
 def test_explain_a_deployment(capsys):
     code, out, _ = run_cli(capsys, "explain", "--policy", str(TEAM), "-d", "rag-gpt-oss", "--format", "json")
     data = json.loads(out)

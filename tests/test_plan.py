@@ -170,6 +170,11 @@ def test_more_gpus_add_replicas():
     assert tp1.running < option(one, "auto@tp1").running
 
 
+def test_one_request_is_singular_in_the_load_note():
+    r = run_plan("llama-3.3-70b", "h100", 2, "isl=30k,osl=4k,concurrency=3")
+    assert option(r, "fp8@tp2").load_note.startswith("2 of 3 clients wait for KV room (1 request fits): ")
+
+
 def test_burst_waves_make_bf16_wait():
     r = run_plan("llama-3.3-70b", "h100", 4, "isl=8k,osl=1k,burst=100")
     bf16, fp8 = option(r, "auto@tp4"), option(r, "fp8@tp4")

@@ -105,7 +105,8 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
     if rec.blockers:
         violations += [f"vLLM would refuse to start: {b}" for b in rec.blockers]
     elif est.max_concurrency.value is not None and est.max_concurrency.value < wl.concurrency:
-        violations.append(f"{d.kv_cache_dtype} holds {int(est.max_concurrency.value)} requests of "
+        held = int(est.max_concurrency.value)
+        violations.append(f"{d.kv_cache_dtype} holds {held} request{'s' * (held != 1)} of "
                           f"{wl.context_tokens:,} tokens; the deployment needs {wl.concurrency}. Lower the "
                           "concurrency or context, or raise `tp`.")
     recovery = est.accuracy_recovery.value

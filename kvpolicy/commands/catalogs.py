@@ -188,16 +188,22 @@ def _schema(args: argparse.Namespace) -> int:
         raise InputError(f"--out {out}: is a file; --out names the folder the schemas go in.")
     texts = {out / name: json.dumps(schema, indent=2) + "\n" for name, schema in schemas().items()}
     if args.check:
-        stale = []
+        missing, stale = [], []
         for path, text in texts.items():
+            if not path.is_file():
+                missing.append(str(path))
+                continue
             try:
                 same = read_text(path, what="a JSON Schema", max_bytes=16 << 20) == text
             except InputError:
                 same = False
             if not same:
                 stale.append(str(path))
-        if stale:
-            raise PolicyFailure("stale JSON Schema: " + ", ".join(stale) + ". Run `kvpolicy schema` and commit.")
+        problems = ([f"missing JSON Schema: {', '.join(missing)}"] if missing else []) + (
+            [f"stale JSON Schema (differs from the code): {', '.join(stale)}"] if stale else [])
+        if problems:
+            write = "kvpolicy schema" + ("" if args.out == "schemas" else f" --out {args.out}")
+            raise PolicyFailure("; ".join(problems) + f". Run `{write}` and commit.")
         return 0
     # Every target is checked before the first is written, so a refusal changes nothing.
     todo = {}

@@ -246,7 +246,7 @@ _LOOSE = " (GPU names are compared without case, spaces, hyphens, underscores or
 
 @functools.cache
 def _catalog(kind: type[_Spec], path: Path) -> tuple[dict[str, _Spec], dict[str, str]]:
-    """(entries by id, lower-case name -> id) for one catalog file; every entry is validated."""
+    """(entries by id, matching form of each name -> id) for one catalog file; every entry is validated."""
     entries = _read_entries(path)
     items = {key: _validated(kind, key, entry, path) for key, entry in entries.items()}
     index: dict[str, str] = {}

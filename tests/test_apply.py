@@ -180,6 +180,13 @@ def test_dry_run_without_vllm_prints_a_command(capsys, no_vllm):
     assert "not validated: vLLM is not installed" in err
 
 
+def test_a_gpu_count_becomes_the_tensor_parallel_size(capsys, no_vllm):
+    code, out, _ = run_cli(capsys, "apply", "-m", "llama-3.3-70b", "-g", "2x H100", "--dry-run")
+    assert code == 0 and "--tensor-parallel-size 2 " in out
+    code, _, err = run_cli(capsys, "apply", "-m", "llama-3.3-70b", "-g", "h100x2", "--tp", "4", "--dry-run")
+    assert code == 2 and "--gpu `h100x2` names 2 GPUs but --tp is 4" in err
+
+
 def test_dry_run_for_old_vllm_puts_the_backend_in_the_environment(capsys, no_vllm):
     code, out, err = run_cli(capsys, "apply", "-m", "gpt-oss-20b", "-g", "h100", "--dry-run",
                              "--vllm-version", "0.10.0")

@@ -14,7 +14,14 @@ from kvpolicy.errors import InputError
 from kvpolicy.facts.kv_memory import layer_kv_bytes_per_token
 from kvpolicy.formats import FORMATS
 from kvpolicy.inputs import catalog
-from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
+from kvpolicy.inputs.catalog import (
+    gpu_and_count,
+    load_gpus,
+    load_models,
+    resolve_gpu,
+    resolve_gpu_count,
+    resolve_model,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -282,6 +289,85 @@ def test_every_model_alias_and_hf_id_resolves_to_its_entry():
     for key, arch in load_models().items():
         for name in [key, arch.hf_id, *arch.aliases]:
             assert resolve_model(name).id == key, name
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("rtx 4090", "rtx-4090"),
+        ("RTX-4090", "rtx-4090"),
+        ("rtx4090", "rtx-4090"),
+        ("RTX_4090", "rtx-4090"),
+        ("  Rtx  4090 ", "rtx-4090"),
+        ("NVIDIA RTX 4090", "rtx-4090"),
+        ("nvidia-h100-80gb-hbm3", "h100-sxm"),
+        ("H100 80GB HBM3", "h100-sxm"),
+        ("h100 sxm", "h100-sxm"),
+        ("rtx pro 6000", "rtx-pro-6000-blackwell"),
+        ("AMD Instinct MI300X", "mi300x"),
+    ],
+)
+def test_gpu_names_ignore_case_spaces_hyphens_and_the_vendor(name: str, expected: str):
+    assert resolve_gpu(name).id == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "expected", "count"),
+    [
+        ("2xh100", "h100-sxm", 2),
+        ("2x h100", "h100-sxm", 2),
+        ("2 x H100", "h100-sxm", 2),
+        ("h100x2", "h100-sxm", 2),
+        ("H100 x 4", "h100-sxm", 4),
+        ("h100-x8", "h100-sxm", 8),
+        ("8×h200", "h200", 8),
+        ("2x rtx 4090", "rtx-4090", 2),
+        ("4x NVIDIA H100 80GB HBM3", "h100-sxm", 4),
+        ("mi300x", "mi300x", None),  # a catalog name is never split into a count
+        ("mi300xx2", "mi300x", 2),
+        ("h100", "h100-sxm", None),
+    ],
+)
+def test_a_gpu_name_may_carry_a_count(name: str, expected: str, count: int | None):
+    gpu, found = resolve_gpu_count(name)
+    assert (gpu.id, found) == (expected, count)
+
+
+def test_the_count_in_the_name_is_the_tp_unless_tp_is_given():
+    assert gpu_and_count("2xh100", None)[1] == 2
+    assert gpu_and_count("2xh100", 2)[1] == 2
+    assert gpu_and_count("h100", None)[1] == 1
+    assert gpu_and_count("h100", 4)[1] == 4
+    with pytest.raises(InputError) as err:
+        gpu_and_count("2xh100", 4)
+    msg = str(err.value)
+    assert "--gpu `2xh100` names 2 GPUs but --tp is 4" in msg and "drop --tp" in msg
+
+
+def test_a_count_is_refused_where_one_gpu_is_meant():
+    with pytest.raises(InputError, match=r"^evidence: `2xh100` names 2 GPUs; name one GPU here, e\.g\. `h100-sxm`"):
+        resolve_gpu("2xh100", where="evidence")
+
+
+@pytest.mark.parametrize("name", ["0xh100", "h100x2000"])
+def test_a_count_out_of_range_is_refused(name: str):
+    with pytest.raises(InputError, match=r"the count must be in 1\.\.1024"):
+        resolve_gpu_count(name)
+
+
+def test_an_unknown_gpu_with_a_count_still_suggests():
+    with pytest.raises(InputError) as err:
+        resolve_gpu_count("2xh1OO")
+    assert "unknown GPU `2xh1OO`" in str(err.value)
+    assert "Did you mean" in str(err.value)
+
+
+def test_gpu_names_that_only_differ_in_spacing_collide(tmp_path: Path):
+    entry = "  name: {n}\n  generation: ada\n  memory_gib: 24\n  bandwidth_tbs: 1\n  fp8_compute: true\n"
+    path = tmp_path / "catalog.yaml"
+    path.write_text("one:\n" + entry.format(n="RTX 9") + "two:\n" + entry.format(n="rtx-9"))
+    with pytest.raises(InputError, match=r"entry `two`: the name `rtx-9` also belongs to entry `one` \(GPU names"):
+        load_gpus(path)
 
 
 def test_driver_reported_memory():

@@ -159,6 +159,38 @@ deployments:
     assert code == 2 and "kvpolicy init" in err
 
 
+def test_a_deployment_gpu_with_a_count_is_its_tp(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("kvpolicy.yaml").write_text("""extends: builtin:default
+deployments:
+  - {name: pair, model: llama-3.3-70b, gpu: 2x H100}
+  - {name: clash, model: llama-3.3-70b, gpu: 2xh100, tp: 4}
+""")
+    Path("kvpolicy_test.yaml").write_text("""cases:
+  - {name: pair, deployment: pair, expect: {kv_cache_dtype: fp8}}
+  - {name: eight, model: llama-3.3-70b, gpu: h100x8, expect: {kv_cache_dtype: fp8}}
+  - {name: clash, model: llama-3.3-70b, gpu: h100x8, tp: 2, expect: {kv_cache_dtype: fp8}}
+""")
+    code, out, _ = run_cli(capsys, "check")
+    assert code == 2 and "ok    pair" in out and "--tensor-parallel-size 2 " in out
+    assert "kvpolicy.yaml:4:5: deployment `clash`: gpu `2xh100` names 2 GPUs but tp is 4" in out
+    code, out, _ = run_cli(capsys, "explain", "-d", "pair", "-f", "json")
+    assert code == 0 and json.loads(out)["workload"]["tp"] == 2
+    code, out, _ = run_cli(capsys, "test", "kvpolicy_test.yaml")
+    assert "PASS    2 cases" in out and "gpu `h100x8` names 8 GPUs but tp is 2" in out
+
+
+def test_check_says_one_request_in_the_singular(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("kvpolicy.yaml").write_text("""extends: builtin:default
+deployments:
+  - {name: one, model: llama-3.3-70b, gpu: h100, tp: 2, context: 64k, concurrency: 2}
+""")
+    code, out, _ = run_cli(capsys, "check")
+    assert code == 1 and "capacity: 1 request fits (2 needed)" in out
+    assert "violation: fp8 holds 1 request of 65,536 tokens" in out
+
+
 def test_explain_a_deployment(capsys):
     code, out, _ = run_cli(capsys, "explain", "--policy", str(TEAM), "-d", "rag-gpt-oss", "--format", "json")
     data = json.loads(out)

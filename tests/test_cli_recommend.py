@@ -24,6 +24,20 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def test_gpu_names_with_spaces_and_counts(capsys):
+    base = run_cli(capsys, "recommend", "-m", "llama-3.3-70b", "-g", "h100", "--tp", "2", "-f", "json")[1]
+    for gpu in ("2xh100", "2x H100", "h100x2", "NVIDIA H100 80GB HBM3 x2"):
+        code, out, err = run_cli(capsys, "recommend", "-m", "llama-3.3-70b", "-g", gpu, "-f", "json")
+        assert (code, out) == (0, base), (gpu, err)
+    assert run_cli(capsys, "explain", "-m", "llama-3.3-70b", "-g", "2xh100", "--tp", "2", "-f", "json")[0] == 0
+    code, out, _ = run_cli(capsys, "recommend", "-m", "llama-3.1-8b", "-g", "rtx 4090", "-f", "json")
+    assert code == 0 and json.loads(out)["gpu"] == "rtx-4090"
+    code, _, err = run_cli(capsys, "recommend", "-m", "llama-3.3-70b", "-g", "2xh100", "--tp", "4")
+    assert code == 2 and "--gpu `2xh100` names 2 GPUs but --tp is 4; give the count once" in err
+    code, _, err = run_cli(capsys, "explain", "-m", "llama-3.3-70b", "-g", "rtx 4091")
+    assert code == 2 and "unknown GPU `rtx 4091`. Did you mean `rtx-4090`" in err
+
+
 def test_json_is_a_valid_recommendation(capsys):
     code, out, _ = run_cli(capsys, "recommend", "--model", "gpt-oss-20b", "--gpu", "h100", "--format", "json")
     assert code == 0
@@ -139,11 +153,72 @@ def test_rule_prints_why_and_evidence(capsys):
     assert code == 2 and "KV" in err
 
 
+def _rows(out: str, ids: list[str]) -> dict[str, str]:
+    """Each catalog id's first line of a listing."""
+    return {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in ids}
+
+
+def test_models_list_parameters_and_the_max_context_vllm_accepts(capsys, monkeypatch):
+    from kvpolicy.errors import LimitError
+    from kvpolicy.facts.limits import check_request
+    from kvpolicy.inputs.catalog import load_models
+    from kvpolicy.inputs.workload import Workload
+
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run_cli(capsys, "models")
+    assert code == 0
+    assert out.splitlines()[0].split() == ["id", "params", "active", "max", "context", "Hugging", "Face", "id",
+                                           "KV", "layers"]
+    models = load_models()
+    rows = _rows(out, list(models))
+    assert list(rows) == list(models)
+    assert rows["llama-3.1-8b"].split()[1:5] == ["8.03B", "7.50B", "131,072", "meta-llama/Llama-3.1-8B-Instruct"]
+    assert rows["gpt-oss-120b"].split()[1:4] == ["117B", "5.13B", "131,072"]
+    # The column is the limit `check_request` holds a --context to: that length passes, one more is refused.
+    for model_id, line in rows.items():
+        limit = int(line.split()[3].replace(",", ""))
+        arch = models[model_id]
+        check_request(arch, Workload(context_tokens=limit), env={})
+        with pytest.raises(LimitError, match="derived max_model_len"):
+            check_request(arch, Workload(context_tokens=limit + 1), env={})
+
+
+@pytest.mark.parametrize("command", ["models", "gpus"])
+def test_listings_fit_80_columns_and_cut_no_name(command: str, capsys, monkeypatch):
+    from kvpolicy.inputs.catalog import load_gpus, load_models
+
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_cli(capsys, command)
+    assert code == 0
+    assert max(map(len, out.splitlines())) <= 80
+    assert out.startswith("id  ")
+    if command == "models":
+        names = [m.hf_id for m in load_models().values()]
+        assert list(_rows(out, list(load_models()))) == list(load_models())
+    else:
+        names = [a for g in load_gpus().values() for a in g.aliases if " " not in a]
+        assert list(_rows(out, list(load_gpus()))) == list(load_gpus())
+        assert "2xh100" in out
+    words = set(out.replace(",", " ").split())
+    assert [n for n in names if n not in words] == []
+
+
+def test_listing_json_keeps_its_shape(capsys):
+    code, out, _ = run_cli(capsys, "models", "--format", "json")
+    first = json.loads(out)[0]
+    assert code == 0 and first["id"] == "llama-3.1-8b" and first["max_model_len"] == 131072
+    assert first["params_b"] == pytest.approx(8.03, abs=0.01)
+    code, out, _ = run_cli(capsys, "gpus", "--format", "json")
+    assert code == 0 and json.loads(out)[0]["id"] == "a100-80gb-sxm"
+
+
 @pytest.mark.parametrize("argv", [
     ["--help"],
     ["recommend", "--model", "gpt-oss-20b", "--gpu", "h100"],
     ["explain", "--model", "gpt-oss-20b", "--gpu", "h100", "--format", "json"],
     ["rule", "KV106"],
+    ["models"],
+    ["gpus"],
 ])
 def test_startup_loads_no_heavy_modules(argv):
     """recommend/explain/--help must not import torch, triton, vllm or the server stack."""

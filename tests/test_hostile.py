@@ -429,6 +429,21 @@ def test_schema_refreshes_its_own_files_only(tmp_path, capsys):
     assert code == 2 and "is a file" in err
 
 
+def test_schema_check_tells_missing_from_stale(tmp_path, capsys):
+    out = tmp_path / "schemas"
+    code, _, err, _ = run_cli(capsys, "schema", "--check", "--out", str(out))
+    assert code == 1 and "missing JSON Schema: " in err and "stale" not in err
+    assert f"Run `kvpolicy schema --out {out}`" in err
+    assert run_cli(capsys, "schema", "--out", str(out))[0] == 0
+    assert run_cli(capsys, "schema", "--check", "--out", str(out))[0] == 0
+    (out / "plan.schema.json").unlink()
+    (out / "policy.schema.json").write_text("{}\n")
+    code, _, err, _ = run_cli(capsys, "schema", "--check", "--out", str(out))
+    assert code == 1
+    assert f"missing JSON Schema: {out / 'plan.schema.json'}; stale JSON Schema (differs from the code): " \
+           f"{out / 'policy.schema.json'}." in err
+
+
 def test_init_and_record_never_replace_a_symlink(tmp_path, capsys):
     precious = tmp_path / "precious.txt"
     precious.write_text("keep\n")

@@ -170,6 +170,11 @@ def test_more_gpus_add_replicas():
     assert tp1.running < option(one, "auto@tp1").running
 
 
+def test_one_request_is_singular_in_the_load_note():
+    r = run_plan("llama-3.3-70b", "h100", 2, "isl=30k,osl=4k,concurrency=3")
+    assert option(r, "fp8@tp2").load_note.startswith("2 of 3 clients wait for KV room (1 request fits): ")
+
+
 def test_burst_waves_make_bf16_wait():
     r = run_plan("llama-3.3-70b", "h100", 4, "isl=8k,osl=1k,burst=100")
     bf16, fp8 = option(r, "auto@tp4"), option(r, "fp8@tp4")
@@ -251,6 +256,22 @@ def test_service_plan_is_the_cli_function():
     unknown = client.post("/v1/plan", json={**body, "model": "no-such-model"})
     assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_model"
     assert client.post("/v1/plan", json={**body, "gpus": "4"}).status_code == 422
+    # `2xh100` is two GPUs when `gpus` is left out; a `gpus` that says otherwise is refused.
+    two = client.post("/v1/plan", json={**body, "gpu": "2x H100"})
+    assert two.status_code == 200, two.text
+    assert two.json() == client.post("/v1/plan", json={**body, "gpus": 2}).json()
+    clash = client.post("/v1/plan", json={**body, "gpu": "2xh100", "gpus": 4})
+    assert clash.status_code == 422 and clash.json()["location"] == "gpus"
+    assert "names 2 GPUs but gpus is 4" in clash.json()["detail"]
+
+
+def test_cli_gpu_count_is_the_gpus_unless_given(capsys):
+    argv = ["plan", "-m", "llama-3.1-8b", "-t", "isl=8k,osl=1k,rate=1/s", "-f", "json"]
+    assert main([*argv, "-g", "h100x2"]) == 0
+    named = PlanResult.model_validate_json(capsys.readouterr().out)
+    assert named.model_dump() == run_plan("llama-3.1-8b", "h100", 2, "isl=8k,osl=1k,rate=1/s").model_dump()
+    assert main([*argv, "-g", "2xh100", "--gpus", "4"]) == 2
+    assert "--gpu `2xh100` names 2 GPUs but --gpus is 4" in capsys.readouterr().err
 
 
 def test_plan_models_are_documented():

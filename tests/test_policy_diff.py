@@ -62,6 +62,12 @@ def test_exit_code_json_and_github(pair, capsys):
 def test_ad_hoc_inputs_compare_a_model_under_both_policies(pair, capsys):
     code, out, _ = run_cli(capsys, "diff", "old.yaml", "new.yaml", "-m", "qwen3-8b", "-g", "h100", "-c", "4k")
     assert code == 0 and "qwen3-8b on h100" in out
+    # A count in --gpu is the tensor-parallel size, as for recommend.
+    code, out, _ = run_cli(capsys, "diff", "old.yaml", "new.yaml", "-m", "llama-3.3-70b", "-g", "2xh100", "-f", "json")
+    pair = next(d for d in json.loads(out)["deployments"] if d["name"] == "llama-3.3-70b on 2xh100")
+    # At tp 1 the 70B weights leave no room for a cache (BF16, KV100); at tp 2 FP8 holds two requests.
+    assert code == 0 and pair["status"] == "unchanged" and pair["new_decision"]["kv_cache_dtype"] == "fp8"
+    assert pair["new_concurrency"] > 1
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

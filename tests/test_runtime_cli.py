@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpolicy.cli import main
-from kvpolicy.commands.runtime import parse_batches, parse_contexts
+from kvpolicy.cli import build_parser, main
+from kvpolicy.commands.runtime import _resolve, parse_batches, parse_contexts
 from kvpolicy.errors import InputError
 
 HEAVY = ("torch", "triton", "transformers", "matplotlib", "numpy")
@@ -190,6 +190,16 @@ def test_bench_table_names_the_gluon_kernels_where_layers_ran_them(tmp_path, cap
     printed = " ".join(capsys.readouterr().out.split())
     assert "TurboQuant layers of turboquant_4bit_nc on the Gluon kernel (planar pages)" in printed
     assert f"FP8 layers of {fp8.name} on" in printed and "FP8 layers of turboquant" not in printed
+
+
+@pytest.mark.parametrize("command", ["bench", "verify"])
+def test_bench_and_verify_read_gpu_names_as_recommend_does(command: str, capsys):
+    pytest.importorskip("torch")
+    parser, _ = build_parser(command)
+    _, gpu, _, rec = _resolve(parser.parse_args(["-m", "llama-3.1-8b", "-g", "2x RTX 4090", "--device", "cpu"]), 4096)
+    assert (gpu.id, rec.workload.tp) == ("rtx-4090", 2)
+    code = main([command, "-m", "llama-3.1-8b", "-g", "rtx 4091", "--device", "cpu"])
+    assert code == 2 and "unknown GPU `rtx 4091`. Did you mean `rtx-4090`" in capsys.readouterr().err
 
 
 def test_verify_of_a_bf16_decision_says_it_compares_bf16_with_itself(tmp_path, capsys):

@@ -152,6 +152,18 @@ def test_recommend_is_the_cli_recommendation(server, team_file, published):
     assert server.client.post("/v1/recommend", json=full).json() == body
 
 
+def test_a_gpu_name_with_a_count_is_the_tp(server, team_file):
+    # Spaces, case and a count are read as the CLI reads them: `2x RTX 4090` is rtx-4090 at tp 2.
+    r = server.client.post("/v1/recommend", json={**CHAT, "gpu": "2x RTX 4090"})
+    assert r.status_code == 200, r.text
+    assert r.json() == _expected(team_file, **{**CHAT, "gpu": "rtx-4090", "tp": 2})
+    assert r.json()["workload"]["tp"] == 2
+    assert server.client.post("/v1/recommend", json={**CHAT, "gpu": "rtx4090x2", "tp": 2}).json() == r.json()
+    check = server.client.post("/v1/check", json={"deployments": [{**CHAT, "gpu": "2xh100"}]}).json()
+    assert check["results"][0]["report"]["vllm_args"] == server.client.post(
+        "/v1/recommend", json={**CHAT, "gpu": "h100", "tp": 2}).json()["vllm_args"]
+
+
 def test_recommend_matches_cli_json_output(server, team_file):
     out = subprocess.run([sys.executable, "-m", "kvpolicy", "recommend", "-m", "llama-3.1-8b", "-g", "b200",
                           "-c", "6k", "--priority", "balanced", "--policy", str(team_file), "--format", "json"],
@@ -259,6 +271,8 @@ def test_metrics(server):
     ("/v1/recommend", {"json": {**CHAT, "model": "gpt-oss-2b"}}, 404, "unknown_model", "model",
      "Did you mean `gpt-oss-20b`"),
     ("/v1/recommend", {"json": {**CHAT, "gpu": "h1000"}}, 404, "unknown_gpu", "gpu", "Did you mean"),
+    ("/v1/recommend", {"json": {**CHAT, "gpu": "2xh100", "tp": 4}}, 422, "invalid_request", "tp",
+     "names 2 GPUs but tp is 4"),
     # Paths are never read: a config.json path is just an unknown name.
     ("/v1/recommend", {"json": {**CHAT, "model": "tests/fixtures/hf/gpt-oss-20b"}}, 404, "unknown_model", "model",
      "paths are not accepted"),

@@ -205,3 +205,22 @@ def test_every_package_is_installed():
         return
     folders = {m for m, path in MODULES.items() if path.name == "__init__.py"}
     assert sorted(folders - set(listed)) == []
+
+
+def test_every_data_folder_is_a_listed_package():
+    """setuptools warns ("Package ... is absent from the `packages` configuration") and will stop shipping
+    package-data files whose folder (data/, examples/starter/) is not itself a package it installs."""
+    pytest.importorskip("setuptools")
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    config = read_configuration(ROOT / "pyproject.toml", expand=True)["tool"]["setuptools"]
+    packages = set(config["packages"])
+    absent = set()
+    for package, patterns in config["package-data"].items():
+        base = ROOT.joinpath(*package.split("."))
+        for pattern in patterns:
+            files = list(base.glob(pattern))
+            assert files, f"{package}: {pattern} matches nothing"
+            for f in files:
+                absent.add(".".join(f.parent.relative_to(ROOT).parts))
+    assert sorted(absent - packages) == []

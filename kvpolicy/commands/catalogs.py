@@ -92,10 +92,16 @@ def _models(args: argparse.Namespace) -> int:
     if args.format == "json":
         echo(json.dumps([m.model_dump(mode="json", exclude_defaults=True) for m in models.values()], indent=2))
         return 0
+    rows = []
     for m in models.values():
         kinds = ", ".join(f"{m.count(k)} {k}" for k in ("full", "sliding", "mla", "linear", "shared") if m.count(k))
         window = f", window {m.sliding_window}" if m.sliding_window and m.count("sliding") else ""
-        echo(f"{m.id:<34} {m.hf_id or '':<42} {m.attention}, head_dim {m.head_dim}, {kinds}{window}")
+        # max_model_len is what facts/limits.py holds a --context to: the length vLLM derives from the config.
+        rows.append([m.id, _billions(m.params_b), _billions(m.active_params_b),
+                     f"{m.max_model_len:,}" if m.max_model_len else "?", m.hf_id or "",
+                     f"{m.attention}, head_dim {m.head_dim}, {kinds}{window}"])
+    headers = ["id", "params", "active", "max context", "Hugging Face id", "KV layers"]
+    echo("\n".join(_table(headers, rows, right={1, 2, 3}, fold_from=4)))
     return 0
 
 
@@ -106,11 +112,43 @@ def _gpus(args: argparse.Namespace) -> int:
     if args.format == "json":
         echo(json.dumps([g.model_dump(mode="json", exclude_defaults=True) for g in gpus.values()], indent=2))
         return 0
-    for g in gpus.values():
-        fp8 = "fp8" if g.fp8_compute else "no fp8"
-        echo(f"{g.id:<24} {g.generation:<10} {g.memory_gib:>7.1f} GiB {g.bandwidth_tbs:>5.2f} TB/s  {fp8:<7} "
-             f"aliases: {', '.join(g.aliases)}")
+    rows = [[g.id, g.generation, f"{g.memory_gib:.1f} GiB", f"{g.bandwidth_tbs:.2f} TB/s",
+             "yes" if g.fp8_compute else "no", ", ".join([g.name, *g.aliases])] for g in gpus.values()]
+    headers = ["id", "generation", "memory", "bandwidth", "FP8 compute", "names (as nvidia-smi prints, and aliases)"]
+    echo("\n".join(_table(headers, rows, right={2, 3}, fold_from=5)))
+    echo("Names match ignoring case, spaces and hyphens; --gpu 2xh100 also sets --tp 2.")
     return 0
+
+
+def _billions(value: float | None) -> str:
+    """8.03B, 70.6B, 406B: three significant figures, enough to tell sizes apart."""
+    if value is None:
+        return "?"
+    return f"{value:.2f}B" if value < 10 else f"{value:.1f}B" if value < 100 else f"{value:.0f}B"
+
+
+def _table(headers: list[str], rows: list[list[str]], *, right: set[int], fold_from: int) -> list[str]:
+    """Aligned columns under their headers, as wide as the terminal allows (80 in pipes and CI logs, or
+    $COLUMNS): when a row does not fit, its columns from `fold_from` on go on a line of their own under it,
+    indented and wrapped between words, so no word is cut."""
+    import shutil
+    import textwrap
+
+    width = shutil.get_terminal_size().columns
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    if sum(widths) + 2 * (len(widths) - 1) <= width:
+        return [line(row).rstrip() for row in [headers, *rows]]
+    out = []
+    for row in [headers, *rows]:
+        out.append(line(row[:fold_from]).rstrip())
+        rest = " · ".join(c for c in row[fold_from:] if c)
+        out.extend(textwrap.wrap(rest, width, initial_indent="    ", subsequent_indent="      ",
+                                 break_long_words=False, break_on_hyphens=False))
+    return out
 
 
 def schemas() -> dict[str, dict]:
@@ -150,16 +188,22 @@ def _schema(args: argparse.Namespace) -> int:
         raise InputError(f"--out {out}: is a file; --out names the folder the schemas go in.")
     texts = {out / name: json.dumps(schema, indent=2) + "\n" for name, schema in schemas().items()}
     if args.check:
-        stale = []
+        missing, stale = [], []
         for path, text in texts.items():
+            if not path.is_file():
+                missing.append(str(path))
+                continue
             try:
                 same = read_text(path, what="a JSON Schema", max_bytes=16 << 20) == text
             except InputError:
                 same = False
             if not same:
                 stale.append(str(path))
-        if stale:
-            raise PolicyFailure("stale JSON Schema: " + ", ".join(stale) + ". Run `kvpolicy schema` and commit.")
+        problems = ([f"missing JSON Schema: {', '.join(missing)}"] if missing else []) + (
+            [f"stale JSON Schema (differs from the code): {', '.join(stale)}"] if stale else [])
+        if problems:
+            write = "kvpolicy schema" + ("" if args.out == "schemas" else f" --out {args.out}")
+            raise PolicyFailure("; ".join(problems) + f". Run `{write}` and commit.")
         return 0
     # Every target is checked before the first is written, so a refusal changes nothing.
     todo = {}

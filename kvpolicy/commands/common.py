@@ -71,14 +71,16 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, model_required: bool
                         help="catalog id (gpt-oss-20b), Hugging Face id (openai/gpt-oss-20b), "
                              "or a local model folder / config.json")
     parser.add_argument("--gpu", "-g", required=model_required,
-                        help="GPU id or alias (h100, H100-SXM, b200, a100, l40s, h200...), or `auto`")
+                        help="GPU id, alias or nvidia-smi name (h100, \"RTX 4090\", b200, a100, l40s...), or "
+                             "`auto`; 2xh100 or h100x2 also sets --tp 2")
     parser.add_argument("--context", "-c", default="32k",
                         help="context length per request: 32k, 128k, 131072 (default 32k)")
     parser.add_argument("--priority", choices=["decode", "prefill", "balanced"], default="decode",
                         help="latency that matters most (default decode)")
     parser.add_argument("--concurrency", type=positive_int("--concurrency", 1_000_000), default=1,
                         help="requests served at once at that context (default 1)")
-    parser.add_argument("--tp", type=positive_int("--tp", 1024), default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--tp", type=positive_int("--tp", 1024), default=None,
+                        help="tensor-parallel size (default 1, or the count in --gpu 2xh100)")
     parser.add_argument("--accuracy-floor", type=unit_float("--accuracy-floor"), default=None,
                         help="lowest acceptable accuracy recovery vs BF16 (default: the policy's, 0.95)")
     parser.add_argument("--gpu-memory-utilization", type=unit_float("--gpu-memory-utilization"), default=0.92,
@@ -102,16 +104,16 @@ class Inputs:
 
 def resolve_inputs(args: argparse.Namespace) -> Inputs:
     """Resolve the model, GPU, policy and workload named on the command line."""
-    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.catalog import gpu_and_count, resolve_model
     from kvpolicy.inputs.workload import make_workload
 
     if not args.model or not args.gpu:
         raise InputError("--model and --gpu are required, e.g. `--model gpt-oss-20b --gpu h100`.")
     loaded = load_policy(args.policy)
     arch = resolve_model(args.model).with_weights_gb(getattr(args, "weights_gb", None))
-    gpu = resolve_gpu(args.gpu)
+    gpu, tp = gpu_and_count(args.gpu, args.tp)
     workload = make_workload(
-        loaded, context=args.context, priority=args.priority, concurrency=args.concurrency, tp=args.tp,
+        loaded, context=args.context, priority=args.priority, concurrency=args.concurrency, tp=tp,
         accuracy_floor=args.accuracy_floor, gpu_memory_utilization=args.gpu_memory_utilization,
     )
     return Inputs(arch=arch, gpu=gpu, workload=workload, loaded=loaded)

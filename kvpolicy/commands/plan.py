@@ -10,9 +10,9 @@ from kvpolicy.commands.common import positive_int, unit_float
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """Options of plan."""
     parser.add_argument("--model", "-m", required=True, help="catalog id, Hugging Face id, or a local config")
-    parser.add_argument("--gpu", "-g", required=True, help="GPU id or alias (h100, b200...)")
-    parser.add_argument("--gpus", type=positive_int("--gpus"), default=1,
-                        help="GPUs to serve with (default 1); each TP size vLLM accepts up to it is tried, the "
+    parser.add_argument("--gpu", "-g", required=True, help="GPU id or alias (h100, b200...); 4xh100 also sets --gpus 4")
+    parser.add_argument("--gpus", type=positive_int("--gpus"), default=None,
+                        help="GPUs to serve with (default 1, or the count in --gpu 4xh100); each TP size vLLM accepts up to it is tried, the "
                              "rest of the GPUs as data-parallel replicas")
     parser.add_argument("--traffic", "-t", required=True,
                         help="isl=20k,osl=1k and one load: rate=2/s (open loop), concurrency=64 (closed loop) or "
@@ -36,7 +36,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate the candidates under the traffic and print the plan."""
-    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.catalog import gpu_and_count, resolve_model
     from kvpolicy.inputs.traffic import Slo, parse_slo, parse_traffic
     from kvpolicy.inputs.workload import make_workload
     from kvpolicy.outputs.compat import model_for_vllm
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
         raise InputError(f"--weights-gb must be a positive number, found {args.weights_gb:g}")
     arch = resolve_model(args.model).with_weights_gb(args.weights_gb)
-    gpu = resolve_gpu(args.gpu)
-    result = plan(arch, gpu, args.gpus, traffic, slo, loaded, accuracy_floor=floor,
+    gpu, gpus = gpu_and_count(args.gpu, args.gpus, count_where="--gpus")
+    result = plan(arch, gpu, gpus, traffic, slo, loaded, accuracy_floor=floor,
                   gpu_memory_utilization=args.gpu_memory_utilization)
     if args.plot:
         import sys

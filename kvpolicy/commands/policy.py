@@ -55,14 +55,14 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--git-rev", default=None, help="compare OLD at this git revision with the working tree")
         parser.add_argument("--exit-code", action="store_true", help="exit 1 when any deployment's decision changes")
         parser.add_argument("--model", "-m", default=None, help="also compare this model (with --gpu)")
-        parser.add_argument("--gpu", "-g", default=None, help="GPU for --model")
+        parser.add_argument("--gpu", "-g", default=None, help="GPU for --model (2xh100: with --tp 2)")
         parser.add_argument("--context", "-c", default="32k", help="context for --model (default 32k)")
         parser.add_argument("--priority", choices=["decode", "prefill", "balanced"], default="decode",
                             help="priority for --model (default decode)")
         parser.add_argument("--concurrency", type=positive_int("--concurrency", 1_000_000), default=1,
                             help="concurrency for --model (default 1)")
-        parser.add_argument("--tp", type=positive_int("--tp", 1024), default=1,
-                            help="tensor-parallel size for --model (default 1)")
+        parser.add_argument("--tp", type=positive_int("--tp", 1024), default=None,
+                            help="tensor-parallel size for --model (default 1, or the count in --gpu 2xh100)")
     parser.add_argument("--format", "-f", choices=OUTPUT_FORMATS, default="table",
                         help="table (people), json (machines), github (workflow annotations)")
 
@@ -254,9 +254,10 @@ def _diff(args: argparse.Namespace) -> int:
     if args.model or args.gpu:
         if not (args.model and args.gpu):
             raise InputError("--model and --gpu go together, e.g. `--model llama-3.1-8b --gpu h100`.")
+        # An unset --tp stays unset, so a count in --gpu (2xh100) gives it.
+        tp = {} if args.tp is None else {"tp": args.tp}
         extra.append(Deployment(name=f"{args.model} on {args.gpu}", model=args.model, gpu=args.gpu,
-                                context=args.context, priority=args.priority, concurrency=args.concurrency,
-                                tp=args.tp))
+                                context=args.context, priority=args.priority, concurrency=args.concurrency, **tp))
     diffs = compare(old, new, extra)
     render_diff(old_label, new_label, policy_changes(old.policy, new.policy), diffs, new.chain[0],
                 Sources.of(new), args.format)

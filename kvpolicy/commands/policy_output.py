@@ -209,7 +209,8 @@ def render_check(label: str, results: list[dict[str, Any]], fmt: str, strict: bo
              f", skip {_value(d['skip_layers'])}, two-level {d['two_level_accumulation']}, scales {d['scale_source']}, "
              f"backend {d['attention_backend'] or 'vLLM default'}")
         fits = cap["max_concurrency"]
-        echo(f"      capacity: {int(fits) if fits is not None else 'n/a'} requests fit "
+        held = "n/a requests fit" if fits is None else "1 request fits" if int(fits) == 1 else f"{int(fits)} requests fit"
+        echo(f"      capacity: {held} "
              f"({cap['concurrency']} needed), {cap['capacity_vs_bf16']}x BF16"
              + (f"; accuracy ~{r['accuracy_recovery']:.0%}" if r.get("accuracy_recovery") else ""))
         echo(f"      vllm serve ... {' '.join(r['vllm_args'])}")

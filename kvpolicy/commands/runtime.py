@@ -35,7 +35,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                         help="catalog id (llama-3.1-8b), HF id, or a local model folder / config.json "
                              "(verify: a folder with weights adds the model-level check)")
     parser.add_argument("--gpu", "-g", default=None,
-                        help="GPU the decision is for (h100, h200...), or `auto` to detect the local one; default: "
+                        help="GPU the decision is for (h100, h200, 2xh100 for tensor-parallel 2...), or `auto` to "
+                             "detect the local one; default: "
                              f"the local GPU, or {CPU_DEFAULT_GPU} when there is none (the run then uses the torch "
                              "references on the CPU)")
     parser.add_argument("--policy", "-p", default=None, help="policy file (default builtin:default)")
@@ -121,13 +122,14 @@ def _resolve(args: argparse.Namespace, longest: int) -> tuple[Any, Any, Any, Any
     """(arch, gpu, loaded policy, recommendation at the longest context)."""
     import torch
 
-    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.catalog import gpu_and_count, resolve_gpu, resolve_model
     from kvpolicy.inputs.workload import make_workload
     from kvpolicy.outputs.recommend import recommend
     from kvpolicy.rules.validate import load_policy
 
     loaded = load_policy(args.policy)
     arch = resolve_model(args.model)
+    tp = 1
     if args.gpu in (None, "auto") and args.device != "cpu" and torch.cuda.is_available():
         gpu = resolve_gpu(torch.cuda.get_device_name(0), where="--gpu auto")
     elif args.gpu is None:
@@ -135,9 +137,10 @@ def _resolve(args: argparse.Namespace, longest: int) -> tuple[Any, Any, Any, Any
         sys.stderr.write(f"kvpolicy {args.command}: no GPU in use and no --gpu: deciding for {CPU_DEFAULT_GPU}, run "
                          "with the torch references on the CPU (pass --gpu to decide for another GPU).\n")
     else:
-        gpu = resolve_gpu(args.gpu)
+        # 2xh100 decides for two GPUs (tensor-parallel 2); the kernels still run on one.
+        gpu, tp = gpu_and_count(args.gpu, None)
     floor = getattr(args, "accuracy_floor", None)
-    workload = make_workload(loaded, context=longest, accuracy_floor=floor)
+    workload = make_workload(loaded, context=longest, tp=tp, accuracy_floor=floor)
     return arch, gpu, loaded, recommend(arch, gpu, workload, loaded)
 
 

@@ -275,7 +275,8 @@ def closed_loop(r: Replica, clients: int) -> LoadResult:
     op = r.operate(n)
     queued = clients - n
     wait = queued / op.rate if queued else 0.0
-    note = (f"{queued} of {clients} clients wait for KV room ({r.capacity} requests fit): "
+    fit = "1 request fits" if r.capacity == 1 else f"{r.capacity} requests fit"
+    note = (f"{queued} of {clients} clients wait for KV room ({fit}): "
             f"{wait:.1f} s each" if queued else f"all {clients} admitted ({r.capacity} fit)")
     return LoadResult(wait + op.ttft_service_s, op.tpot_s, op.rate, n, queued, False, note)
 

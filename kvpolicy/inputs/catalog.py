@@ -2,7 +2,8 @@
 
 `resolve_model` takes a catalog id, an alias, a Hugging Face id (all
 case-insensitive) or a local config.json path; `resolve_gpu` takes an id, an alias,
-an nvidia-smi name, or `auto`. Unknown names raise InputError with close matches.
+an nvidia-smi name (ignoring case, spaces and hyphens), or `auto`, and `gpu_and_count`
+also a count (`2xh100`, `h100x2`). Unknown names raise InputError with close matches.
 A catalog model is its bundled config.json (`data/configs/<id>.json`) read by
 `hfconfig.arch_from_hf_config`, the code that reads a local config, plus the
 entry's names; only the requested model's config is parsed.
@@ -11,6 +12,7 @@ entry's names; only the requested model's config is parsed.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -152,46 +154,111 @@ def resolve_model(spec: str, *, where: str = "--model", allow_paths: bool = True
 
 
 def resolve_gpu(spec: str, *, where: str = "--gpu") -> GpuSpec:
-    """A catalog GPU by id, alias or nvidia-smi name (case-insensitive); `auto` detects the local GPU."""
+    """One catalog GPU by id, alias or nvidia-smi name; `auto` detects the local GPU.
+
+    Case, spaces, hyphens, underscores and a leading `NVIDIA`/`AMD` do not count (`RTX 4090`, `rtx-4090`).
+    A count (`2xh100`) is refused: the caller has no tensor-parallel size to give it to.
+    """
+    gpu, count = resolve_gpu_count(spec, where=where)
+    if count is not None:
+        raise InputError(f"{where}: `{spec.strip()}` names {count} GPUs; name one GPU here, e.g. `{gpu.id}`.")
+    return gpu
+
+
+def gpu_and_count(spec: str, count: int | None, *, where: str = "--gpu",
+                  count_where: str = "--tp") -> tuple[GpuSpec, int]:
+    """The GPU and how many of them: `2xh100` gives 2 unless `count_where` is given, and must agree with it.
+
+    `count` is None when the user did not set `count_where` (it then defaults to the name's count, else 1).
+    """
+    gpu, named = resolve_gpu_count(spec, where=where)
+    if named is None:
+        return gpu, 1 if count is None else count
+    if count is not None and count != named:
+        raise InputError(f"{where} `{spec.strip()}` names {named} GPUs but {count_where} is {count}; give the count "
+                         f"once: drop {count_where}, or name the GPU alone (`{gpu.id}`) and keep {count_where} {count}.")
+    return gpu, named
+
+
+_COUNTED = (re.compile(r"(?P<n>[0-9]+)\s*[x×*][\s_-]*(?P<name>.*[^\s_-].*)", re.IGNORECASE),
+            re.compile(r"(?P<name>.*[^\s_-].*?)[\s_-]*[x×*]\s*(?P<n>[0-9]+)", re.IGNORECASE))
+"""`2xh100`, `2x h100`, `2 x H100`; `h100x2`, `h100 x2`, `h100-x2` (also with `×` or `*`)."""
+MAX_GPU_COUNT = 1024
+"""The largest count accepted in a GPU name, as for --tp."""
+
+
+def resolve_gpu_count(spec: str, *, where: str = "--gpu") -> tuple[GpuSpec, int | None]:
+    """A catalog GPU (see `resolve_gpu`) and the count written with it (`2xh100` -> 2), None when there is none.
+
+    A catalog name always wins over reading it as a count, so no GPU's own name is split.
+    """
     text = spec.strip()
     gpus, index = _catalog(GpuSpec, GPUS_PATH)
     if text.lower() == "auto":
         # Mixed machines are rare; the first GPU is the one vLLM uses by default.
         name = detect_gpu_names()[0]
-        found = index.get(name.lower())
+        found = index.get(_gpu_key(name))
         if found is not None:
-            return gpus[found]
+            return gpus[found], None
         bare = name.removeprefix("NVIDIA ").strip()
-        hint = _suggest(bare, index)
+        hint = _suggest(_gpu_key(bare), index)
         raise InputError(
             f"{where} auto: nvidia-smi reports `{name}`, which is not in kvpolicy's GPU catalog.{hint} "
             "Name the closest catalog GPU instead, e.g. `--gpu h100` (`kvpolicy gpus` lists them)."
         )
-    found = index.get(text.lower()) if text else None
+    found = index.get(_gpu_key(text)) if text else None
     if found is not None:
-        return gpus[found]
-    hint = _suggest(text, index) if text else ""
+        return gpus[found], None
+    parts = []
+    for pattern in _COUNTED:
+        m = pattern.fullmatch(text)
+        if m:
+            parts.append(m["name"])
+        named = index.get(_gpu_key(m["name"])) if m else None
+        if m and named is not None:
+            count = int(m["n"])
+            if not 1 <= count <= MAX_GPU_COUNT:
+                raise InputError(f"{where}: `{text}` names {count} GPUs; the count must be in 1..{MAX_GPU_COUNT}, "
+                                 f"e.g. `2x{m['name'].strip()}`.")
+            return gpus[named], count
+    # `2xh1OO`: the close matches of the name part.
+    hint = next((h for h in (_suggest(_gpu_key(t), index) for t in [text, *parts] if t) if h), "")
     raise InputError(
         f"{where}: unknown GPU `{text}`.{hint} Run `kvpolicy gpus` to list the catalog, "
         "or use `--gpu auto` to detect the local GPU with nvidia-smi."
     )
 
 
+def _gpu_key(name: str) -> str:
+    """`NVIDIA GeForce RTX 4090` -> `geforcertx4090`, `RTX-4090` -> `rtx4090`: the form GPU names are matched in."""
+    key = re.sub(r"[\s_-]+", "", name.lower())
+    for vendor in ("nvidia", "amd"):
+        if key.startswith(vendor) and len(key) > len(vendor):
+            return key[len(vendor):]
+    return key
+
+
 # -- loading ----------------------------------------------------------------------------
+
+
+_LOOSE = " (GPU names are compared without case, spaces, hyphens, underscores or a leading NVIDIA/AMD)"
 
 
 @functools.cache
 def _catalog(kind: type[_Spec], path: Path) -> tuple[dict[str, _Spec], dict[str, str]]:
-    """(entries by id, lower-case name -> id) for one catalog file; every entry is validated."""
+    """(entries by id, matching form of each name -> id) for one catalog file; every entry is validated."""
     entries = _read_entries(path)
     items = {key: _validated(kind, key, entry, path) for key, entry in entries.items()}
     index: dict[str, str] = {}
+    # GPU names are matched loosely (`RTX 4090` = `rtx-4090`); model names only case-insensitively.
+    normal = _gpu_key if kind is GpuSpec else str.lower
     for key, item in items.items():
         for name in _names([item]):
-            other = index.setdefault(name.lower(), key)
+            other = index.setdefault(normal(name), key)
             if other != key:
                 raise InputError(
-                    f"{path}: entry `{key}`: the name `{name}` also belongs to entry `{other}`. "
+                    f"{path}: entry `{key}`: the name `{name}` also belongs to entry `{other}`"
+                    f"{_LOOSE if kind is GpuSpec else ''}. "
                     f"Every id, alias and {'hf_id' if kind is CatalogEntry else 'name'} must be unique; "
                     "remove it from one of them."
                 )

@@ -440,7 +440,7 @@ class Deployment(_Strict):
     model: str
     """Model catalog id, HF id or local config path."""
     gpu: str
-    """GPU catalog id or alias."""
+    """GPU catalog id or alias; `2xh100` or `h100x2` gives `tp` 2 when `tp` is left out."""
     context: Union[Annotated[int, Field(gt=0, le=16_777_216)],
                    Annotated[str, Field(max_length=32, pattern=r"^\s*[0-9]+(\.[0-9]+)?\s*[kKmM]?\s*$")]] = 32768
     """Context length (`32k`, `1m` or a number of tokens)."""
@@ -449,7 +449,7 @@ class Deployment(_Strict):
     concurrency: int = Field(default=1, gt=0, le=1_000_000)
     """Requests served at once."""
     tp: int = Field(default=1, gt=0, le=1024)
-    """Tensor-parallel size."""
+    """Tensor-parallel size (default 1, or the count in `gpu`)."""
     accuracy_floor: float | None = Field(default=None, gt=0, le=1)
     """Accuracy floor (defaults to the policy's threshold)."""
     gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)

@@ -49,16 +49,18 @@ def _model_spec(loaded: LoadedPolicy, spec: str) -> str:
 
 def deployment_inputs(loaded: LoadedPolicy, dep: Deployment) -> tuple[ModelArch, GpuSpec, Workload]:
     """Model, GPU and workload of one deployment; errors carry the deployment's file:line."""
-    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.catalog import gpu_and_count, resolve_model
     from kvpolicy.inputs.workload import make_workload
 
     where = _where(loaded, dep)
     try:
         arch = resolve_model(_model_spec(loaded, dep.model), where=f"{where}: model").with_weights_gb(
             dep.weights_gb, "weights_gb:")
-        gpu = resolve_gpu(dep.gpu, where=f"{where}: gpu")
+        # `gpu: 2xh100` sets tp 2 unless the deployment writes `tp:` itself.
+        gpu, tp = gpu_and_count(dep.gpu, dep.tp if "tp" in dep.model_fields_set else None,
+                                where=f"{where}: gpu", count_where="tp")
         workload = make_workload(loaded, context=dep.context, priority=dep.priority, concurrency=dep.concurrency,
-                                 tp=dep.tp, accuracy_floor=dep.accuracy_floor,
+                                 tp=tp, accuracy_floor=dep.accuracy_floor,
                                  gpu_memory_utilization=dep.gpu_memory_utilization)
     except KvPolicyError as exc:
         text = str(exc)
@@ -103,7 +105,8 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
     if rec.blockers:
         violations += [f"vLLM would refuse to start: {b}" for b in rec.blockers]
     elif est.max_concurrency.value is not None and est.max_concurrency.value < wl.concurrency:
-        violations.append(f"{d.kv_cache_dtype} holds {int(est.max_concurrency.value)} requests of "
+        held = int(est.max_concurrency.value)
+        violations.append(f"{d.kv_cache_dtype} holds {held} request{'s' * (held != 1)} of "
                           f"{wl.context_tokens:,} tokens; the deployment needs {wl.concurrency}. Lower the "
                           "concurrency or context, or raise `tp`.")
     recovery = est.accuracy_recovery.value

@@ -173,7 +173,8 @@ def _layered(path: Path, tests: PolicyTestFile, case: Case, loaded: Any) -> tupl
     inputs: dict[str, Any] = {}
     if dep_name is not None:
         dep = find_deployment(loaded, dep_name)
-        inputs = dep.model_dump(exclude={"name"})
+        # A `tp` the deployment leaves out stays out, so its `gpu: 2xh100` still gives the count.
+        inputs = dep.model_dump(exclude={"name"} | ({"tp"} - dep.model_fields_set))
         inputs["model"] = _dep_model(loaded, dep.model)
     facts: dict[str, Any] = {}
     for layer in layers:
@@ -200,7 +201,7 @@ def _case_model(path: Path, spec: str) -> str:
 
 def _facts_for(inputs: dict[str, Any], overrides: dict[str, Any], loaded: Any) -> dict[str, Any]:
     from kvpolicy.facts.build import FACTS, build_facts
-    from kvpolicy.inputs.catalog import resolve_gpu, resolve_model
+    from kvpolicy.inputs.catalog import gpu_and_count, resolve_model
     from kvpolicy.inputs.workload import make_workload
 
     bad = [k for k in overrides if k not in FACTS]
@@ -218,9 +219,10 @@ def _facts_for(inputs: dict[str, Any], overrides: dict[str, Any], loaded: Any) -
                               "or `facts`.")
         return dict(overrides)
     arch = resolve_model(inputs["model"], where="model")
-    gpu = resolve_gpu(inputs["gpu"], where="gpu")
-    workload_args = {k: inputs[k] for k in ("context", "priority", "concurrency", "tp", "accuracy_floor",
+    gpu, tp = gpu_and_count(inputs["gpu"], inputs.get("tp"), where="gpu", count_where="tp")
+    workload_args = {k: inputs[k] for k in ("context", "priority", "concurrency", "accuracy_floor",
                                             "gpu_memory_utilization") if inputs.get(k) is not None}
+    workload_args["tp"] = tp
     workload = make_workload(loaded, **workload_args)
     facts = build_facts(arch, gpu, workload, loaded.policy)
     facts.update(overrides)

@@ -51,7 +51,8 @@ class RecommendRequest(_Body):
     model: str = Field(min_length=1, max_length=256)
     """Catalog model id, alias or Hugging Face id (`gpt-oss-20b`, `openai/gpt-oss-20b`); no file paths."""
     gpu: str = Field(min_length=1, max_length=256)
-    """Catalog GPU id or alias (`h100`, `H100-SXM`, `b200`); `auto` is not accepted by the service."""
+    """Catalog GPU id, alias or nvidia-smi name (`h100`, `RTX 4090`, `b200`); `2xh100` or `h100x2` gives `tp` 2 when
+    `tp` is left out. `auto` is not accepted by the service."""
     context: Annotated[int | str, BeforeValidator(_tokens)] = 32768
     """Context length per request: a token count (131072) or a string with k/m (`"32k"`)."""
     priority: Priority = "decode"
@@ -59,7 +60,7 @@ class RecommendRequest(_Body):
     concurrency: int = Field(default=1, gt=0, le=1_000_000)
     """Requests served at once at that context."""
     tp: int = Field(default=1, gt=0, le=1024)
-    """Tensor-parallel size (GPUs per replica)."""
+    """Tensor-parallel size (GPUs per replica); default 1, or the count in `gpu` (`2xh100`)."""
     accuracy_floor: float | None = Field(default=None, gt=0, le=1)
     """Lowest acceptable accuracy recovery vs BF16; null takes the policy's threshold."""
     gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)

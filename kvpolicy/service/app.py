@@ -33,7 +33,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpolicy.errors import InputError, LimitError
 from kvpolicy.inputs.arch import ModelArch
-from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
+from kvpolicy.inputs.catalog import (
+    gpu_and_count,
+    load_gpus,
+    load_models,
+    resolve_gpu_count,
+    resolve_model,
+)
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.inputs.workload import make_workload
 from kvpolicy.outputs.recommend import recommend
@@ -77,24 +83,33 @@ class ServiceError(Exception):
 # -- request evaluation (pure functions over a Snapshot) -------------------------------------
 
 
-def resolve(req: RecommendRequest) -> tuple[ModelArch, GpuSpec]:
-    """Model and GPU from the catalogs only (never a file, never nvidia-smi); unknown names are 404s."""
+def resolve(req: RecommendRequest | PlanRequest, count_field: str = "tp") -> tuple[ModelArch, GpuSpec, int]:
+    """Model, GPU and GPU count from the catalogs only (never a file, never nvidia-smi); unknown names are 404s.
+
+    The count is `count_field` (`tp`, or `gpus` for a plan), or the one in `gpu` (`2xh100`) when the body
+    leaves that field out; the two disagreeing is a 422.
+    """
     try:
         arch = resolve_model(req.model, where="model", allow_paths=False)
     except InputError as exc:
         raise ServiceError(404, "unknown_model", str(exc), "model") from None
     try:
-        gpu = resolve_gpu(req.gpu, where="gpu")
+        resolve_gpu_count(req.gpu, where="gpu")  # an unknown name is a 404, a count that disagrees a 422
     except InputError as exc:
         raise ServiceError(404, "unknown_gpu", str(exc), "gpu") from None
-    return arch, gpu
+    given = getattr(req, count_field) if count_field in req.model_fields_set else None
+    try:
+        gpu, count = gpu_and_count(req.gpu, given, where="gpu", count_where=count_field)
+    except InputError as exc:
+        raise ServiceError(422, "invalid_request", str(exc), count_field) from None
+    return arch, gpu, count
 
 
 def evaluate(snap: Snapshot, req: RecommendRequest) -> Recommendation:
     """One deployment through the CLI's own flow (`recommend`)."""
-    arch, gpu = resolve(req)
+    arch, gpu, tp = resolve(req)
     try:
-        workload = make_workload(snap.loaded, **req.workload_args())
+        workload = make_workload(snap.loaded, **{**req.workload_args(), "tp": tp})
     except InputError as exc:
         raise ServiceError(422, "invalid_request", str(exc), "accuracy_floor") from None
     try:
@@ -113,12 +128,12 @@ def check(snap: Snapshot, body: CheckRequest) -> CheckResponse:
         for i, req in enumerate(body.deployments, 1):
             name = req.name or f"deployment-{i}"
             try:
-                arch, gpu = resolve(req)
+                arch, gpu, tp = resolve(req)
             except ServiceError as exc:
                 results.append(CheckResult(name=name, status="error", error=CheckError(
                     error=exc.kind, detail=exc.detail, location=exc.location)))  # type: ignore[arg-type]
                 continue
-            dep = Deployment(name=name, model=arch.id, gpu=gpu.id, **req.workload_args())
+            dep = Deployment(name=name, model=arch.id, gpu=gpu.id, **{**req.workload_args(), "tp": tp})
             report = check_deployment(snap.loaded, dep)
             # A request's deployment is not written in the policy file: no file position.
             results.append(check_result(name, report, "invalid_request", drop=("file", "line", "col")))

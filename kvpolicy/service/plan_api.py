@@ -50,9 +50,10 @@ class PlanRequest(_Body):
     model: str = Field(min_length=1, max_length=256)
     """Catalog model id, alias or Hugging Face id; no file paths."""
     gpu: str = Field(min_length=1, max_length=256)
-    """Catalog GPU id or alias; `auto` is not accepted by the service."""
+    """Catalog GPU id or alias; `4xh100` gives `gpus` 4 when `gpus` is left out. `auto` is not accepted by the
+    service."""
     gpus: int = Field(default=1, gt=0, le=64)
-    """GPUs to serve with: every TP size vLLM accepts up to it is tried, the rest as replicas."""
+    """GPUs to serve with (default 1, or the count in `gpu`): every TP size vLLM accepts up to it is tried, the rest as replicas."""
     traffic: PlanTraffic
     """Lengths and load."""
     slo: PlanSlo = Field(default_factory=PlanSlo)
@@ -72,7 +73,7 @@ def evaluate_plan(loaded: Any, req: PlanRequest, resolve: Any, error: type[Excep
     if req.gpu.strip().lower() == "auto":
         raise error(422, "invalid_request", "`auto` would probe the server's own GPU; name a catalog GPU such as "
                     "`h100`", "gpu")
-    arch, gpu = resolve(req)
+    arch, gpu, gpus = resolve(req, "gpus")
     try:
         floor = make_workload(loaded, accuracy_floor=req.accuracy_floor).accuracy_floor
     except InputError as exc:
@@ -80,7 +81,7 @@ def evaluate_plan(loaded: Any, req: PlanRequest, resolve: Any, error: type[Excep
     traffic = make_traffic(req.traffic.model_dump(), "traffic")
     slo = Slo(**req.slo.model_dump())
     try:
-        return plan(arch, gpu, req.gpus, traffic, slo, loaded, accuracy_floor=floor,
+        return plan(arch, gpu, gpus, traffic, slo, loaded, accuracy_floor=floor,
                     gpu_memory_utilization=req.gpu_memory_utilization)
     except InputError as exc:
         raise error(422, "invalid_request", str(exc), "gpus") from None

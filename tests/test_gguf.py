@@ -139,3 +139,49 @@ def test_smollm2_model_level_check_on_the_cpu(tmp_path, capsys):
             assert v["verdict"] == "undecided" and v["trials_to_decide"] > 256, v
     assert verdicts["turboquant_3bit_nc"]["verdict"] == "keep_bf16"  # every figure of it is far out
     assert "dequantized from GGUF" in result["model_check_note"]
+
+
+def test_smollm2_retrieval_prompts_plant_the_passcode_at_spread_depths():
+    """Each prompt is exactly the context long, ends with the answer, and holds the passcode once before it,
+    deeper in each successive prompt."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from kvpolicy.runtime.hfcheck import builtin_text, load_tokenizer, retrieval_prompts
+
+    path = smollm2_gguf()
+    tok = load_tokenizer(path.parent, path.name)
+    filler = tok(builtin_text()[0][:200_000], add_special_tokens=False).input_ids
+    prompts = retrieval_prompts(tok, filler, 1024, 4, seed=0)
+    depths = []
+    for ids, n in prompts:
+        assert len(ids) == 1024 and 1 <= n <= 8
+        answer = ids[-n:]
+        starts = [i for i in range(len(ids) - 2 * n) if ids[i:i + n] == answer]
+        assert len(starts) == 1, starts  # planted once, and asked for at the end
+        depths.append(starts[0] / len(ids))
+    assert depths == sorted(depths) and depths[0] < 0.25 and depths[-1] > 0.75
+
+
+def test_smollm2_retrieval_at_model_level_on_the_cpu(tmp_path, capsys):
+    """The retrieval test runs beside the needle: BF16 finds the passcode in real text, and every format's
+    recovery counts only prompts BF16 got right."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    path = smollm2_gguf()
+    code = main(["verify", "-m", str(path), "-g", "h100", "--device", "cpu", "--contexts", "384", "--trials", "4",
+                 "--compare", "turboquant_3bit_nc", "--tokens", "32", "--retrieval", "3",
+                 "--out", str(tmp_path), "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out)
+    points = {p["variant"]: p for p in result["retrieval"]}
+    assert set(points) == {"bf16", "turboquant_3bit_nc"}
+    bf16, tq = points["bf16"], points["turboquant_3bit_nc"]
+    assert bf16["trials"] == tq["trials"] == 3 and bf16["context_tokens"] == 384
+    assert bf16["hits"] >= 2  # SmolLM2 finds a passcode planted in 384 tokens (4/4 at 512 and 1k measured)
+    assert tq["bf16_hits"] == bf16["hits"] and tq["kept"] <= min(tq["hits"], bf16["hits"])
+    assert tq["recovery"] == pytest.approx(tq["kept"] / bf16["hits"], abs=1e-4)
+    assert tq["recovery_low"] <= tq["recovery"] <= tq["recovery_high"]
+    assert "passcode" in result["retrieval_note"]

@@ -118,3 +118,9 @@ def test_model_level_check_on_the_gpu(tmp_path, capsys):
     assert {"bf16", "fp8", "turboquant_4bit_nc"} <= set(checks)
     # bf16 weights: our BF16 cache path against the model's own attention differ by bf16 rounding only.
     assert checks["bf16"]["kl_mean"] < 1e-2
+    # the same figures through the float64 references beside the kernels'; the kernels add little of their own
+    for name in ("fp8", "turboquant_4bit_nc"):
+        c = checks[name]
+        assert c["reference_kl_mean"] is not None and c["reference_agreement"] is not None
+        assert c["kernel_kl_ratio"] == pytest.approx(c["kl_mean"] / c["reference_kl_mean"], rel=1e-2)
+        assert c["kernel_kl_ratio"] <= 1.5, c

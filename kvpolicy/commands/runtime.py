@@ -78,6 +78,11 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--tokens", type=positive_int("--tokens", 1 << 20), default=None,
                             help="tokens of text for the model-level check (default 512; the text defaults to Python's "
                                  "pydoc help topics)")
+        parser.add_argument("--retrieval", type=bounded_int("--retrieval", 0, 10_000), default=None,
+                            metavar="N",
+                            help="prompts per context of the model-level retrieval test (a passcode planted in real "
+                                 "text, asked at the end; contexts up to 32k; default 10 on a GPU, 0 = off on the CPU, "
+                                 "where each prompt is a float64 pass)")
         parser.epilog = "Example: kvpolicy verify --model gpt-oss-20b --compare turboquant_4bit_nc"
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -354,8 +359,11 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
     source = _model_source(args, backend)
     total = len(variants) * sum(len({min(c, g.window) if g.window else c for c in contexts})
                                 for g in geometry_plans(arch))
+    retrieval = 0
     if source is not None:
-        total += len(variants) + 2  # load, the model's own attention, one forward per variant
+        total += len(variants) * (1 if backend == "reference" else 2) + 2  # load, own attention, the variants
+        retrieval = args.retrieval if args.retrieval is not None else (10 if backend == "triton" else 0)
+        total += len(variants) * len(contexts) if retrieval else 0
     with _progress(total, "verify") as progress:
         task = progress.add_task("", total=total)
 
@@ -365,7 +373,7 @@ def _verify(args: argparse.Namespace, arch: Any, gpu: Any, loaded: Any, rec: Any
         result = run_verify(arch, gpu, rec.decision, variants, contexts, args.batch, device, backend,
                             accuracy_floor=rec.workload.accuracy_floor, policy_label=loaded.label,
                             on_point=step, seed=args.seed, trials=args.trials)
-        _model_check(args, arch, variants, device, backend, result, source, loaded, step)
+        _model_check(args, arch, variants, device, backend, result, source, loaded, step, contexts, retrieval)
     if self_compare:
         result.warnings.append(self_compare)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -406,7 +414,8 @@ def _model_source(args: argparse.Namespace, backend: str) -> Path | None:
 
 
 def _model_check(args: argparse.Namespace, arch: Any, variants: list[Any], device: Any, backend: str,
-                 result: Any, source: Path | None, loaded: Any, step: Any) -> None:
+                 result: Any, source: Path | None, loaded: Any, step: Any, contexts: list[int],
+                 retrieval: int) -> None:
     from kvpolicy.runtime.hfcheck import has_weights
 
     if source is None:
@@ -419,11 +428,24 @@ def _model_check(args: argparse.Namespace, arch: Any, variants: list[Any], devic
     from kvpolicy.runtime.hfcheck import run_model_check
     from kvpolicy.runtime.verify import model_thresholds, model_verdicts
 
+    from kvpolicy.runtime.verify import KERNEL_KL_RATIO_MAX
+
     tokens = args.tokens or 512
-    checks, note = run_model_check(source, arch, list(variants), device, backend, args.text, tokens, args.seed,
-                                   on_step=step)
+    checks, note, points, retrieval_note = run_model_check(
+        source, arch, list(variants), device, backend, args.text, tokens, args.seed, on_step=step,
+        retrieval_contexts=contexts, retrieval_trials=retrieval)
     result.model_check = checks
     result.model_check_note = note
+    result.retrieval = points
+    result.retrieval_note = retrieval_note or (
+        "skipped on the CPU (each prompt is a float64 pass): --retrieval N runs N prompts per context"
+        if not retrieval else "")
+    for c in checks[1:]:
+        if c.kernel_kl_ratio is not None and c.kernel_kl_ratio > KERNEL_KL_RATIO_MAX:
+            result.warnings.append(
+                f"{c.variant}: the kernels' mean KL ({c.kl_mean:.3g}) is {c.kernel_kl_ratio:.2f}x the float64 "
+                f"references' ({c.reference_kl_mean:.3g}), above {KERNEL_KL_RATIO_MAX}x: the kernels add error of "
+                "their own to the format's.")
     result.model_thresholds = model_thresholds(loaded.policy)
     result.verdicts = model_verdicts(checks, result.verdicts, variants, result.model_thresholds)
 
@@ -435,6 +457,14 @@ def _needle_cell(p: Any) -> str:
         return f"{p.recovery:.1%} ({p.hits}/{p.trials}) err {p.out_rel_error:.1e}"
     return (f"{p.recovery:.1%} [{p.recovery_low:.1%}, {p.recovery_high:.1%}] ({p.kept}/{p.bf16_hits}) "
             f"err {p.out_rel_error:.1e}")
+
+
+def _retrieval_cell(p: Any) -> str:
+    if p.bf16_hits is None:
+        return f"{p.hits}/{p.trials} hit"
+    if p.recovery is None:
+        return f"BF16 hit none ({p.hits}/{p.trials})"
+    return f"{p.recovery:.0%} [{p.recovery_low:.0%}, {p.recovery_high:.0%}] ({p.kept}/{p.bf16_hits})"
 
 
 def _print_verify(result: Any) -> None:
@@ -468,16 +498,39 @@ def _print_verify(result: Any) -> None:
               "not_applicable": "dim"}
     if result.model_check:
         t = Table(title="model-level check vs the BF16 cache: top-1 agreement [95% interval], KL (nats), perplexity")
-        for col in ("variant", "tokens", "agreement", "KL mean", "KL p99", "KL max", "perplexity"):
+        twin = any(m.reference_kl_mean is not None for m in result.model_check)
+        cols = ["variant", "tokens", "agreement", "KL mean", "KL p99", "KL max", "perplexity"]
+        cols += ["float64 ref: agreement", "KL mean", "kernel / ref KL"] if twin else []
+        for col in cols:
             t.add_column(col, justify="left" if col == "variant" else "right")
         for m in result.model_check:
             agree = f"{m.agreement:.1%}" + (f" [{m.agreement_low:.1%}, {m.agreement_high:.1%}]"
                                             if m.agreement_low is not None else "")
-            t.add_row(m.variant, str(m.tokens), agree, f"{m.kl_mean:.3g}",
-                      "-" if m.kl_p99 is None else f"{m.kl_p99:.3g}", f"{m.kl_max:.3g}",
-                      "-" if m.ppl_delta is None else f"{m.ppl_delta:+.2%}")
+            row = [m.variant, str(m.tokens), agree, f"{m.kl_mean:.3g}",
+                   "-" if m.kl_p99 is None else f"{m.kl_p99:.3g}", f"{m.kl_max:.3g}",
+                   "-" if m.ppl_delta is None else f"{m.ppl_delta:+.2%}"]
+            if twin:
+                row += ["-" if m.reference_agreement is None else f"{m.reference_agreement:.1%}",
+                        "-" if m.reference_kl_mean is None else f"{m.reference_kl_mean:.3g}",
+                        "-" if m.kernel_kl_ratio is None else f"{m.kernel_kl_ratio:.2f}x"]
+            t.add_row(*row)
         console.print(t)
     console.print(f"model-level check: {result.model_check_note}")
+    if result.retrieval:
+        contexts = sorted({p.context_tokens for p in result.retrieval})
+        t = Table(title="model-level retrieval in real text: recovery vs BF16 [95% interval] (kept / BF16 hits)")
+        t.add_column("variant")
+        for c in contexts:
+            t.add_column(f"{c // 1024}k" if c % 1024 == 0 else str(c), justify="right")
+        for name in dict.fromkeys(p.variant for p in result.retrieval):
+            row = [name]
+            for c in contexts:
+                p = next((p for p in result.retrieval if p.variant == name and p.context_tokens == c), None)
+                row.append("-" if p is None else _retrieval_cell(p))
+            t.add_row(*row)
+        console.print(t)
+    if result.retrieval_note:
+        console.print(f"retrieval: {result.retrieval_note}")
     if result.model_thresholds is not None:
         th = result.model_thresholds
         console.print(f"verdicts from the model (policy thresholds): top-1 agreement >= {th.min_top1_agreement:.0%} "

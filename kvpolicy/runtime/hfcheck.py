@@ -25,7 +25,7 @@ from kvpolicy.runtime import ops
 from kvpolicy.runtime.caches import LayerPlan, allocate, plan_layers, slots_for
 from kvpolicy.runtime.confidence import wilson
 from kvpolicy.runtime.variants import Variant
-from kvpolicy.runtime.verify import ModelCheck
+from kvpolicy.runtime.verify import ModelCheck, RetrievalPoint
 
 ATTN_NAME = "kvpolicy"
 """Name our attention function is registered under in transformers."""
@@ -185,15 +185,21 @@ def _register() -> None:
         pass
 
 
-def load_tokens(folder: Path, text_path: Path | None, max_tokens: int, vocab_size: int,
-                seed: int, gguf_file: str | None = None) -> tuple[torch.Tensor, str]:
-    """Token ids [1, T] of the text (tokenizer in the folder or the GGUF file), or seeded random ids without one."""
+def load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
+    """The tokenizer in the folder or the GGUF file (None without one)."""
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
+        return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
     except Exception:  # noqa: BLE001 - no tokenizer files is the common case for test models
-        tok = None
+        return None
+
+
+def load_tokens(folder: Path, text_path: Path | None, max_tokens: int, vocab_size: int,
+                seed: int, gguf_file: str | None = None, tok: Any = None) -> tuple[torch.Tensor, str]:
+    """Token ids [1, T] of the text (tokenizer in the folder or the GGUF file), or seeded random ids without one."""
+    if tok is None:
+        tok = load_tokenizer(folder, gguf_file)
     if tok is not None:
         if text_path:
             from kvpolicy.inputs.safeio import MAX_TEXT_BYTES, read_text
@@ -235,42 +241,148 @@ def load_model(path: Path, device: torch.device) -> tuple[Any, str | None]:
     return model.to(device).eval(), gguf_file
 
 
+def _forward(model: Any, ids: torch.Tensor, arch: ModelArch, v: Variant, backend: str, device: torch.device,
+             keep: int = 0) -> torch.Tensor:
+    """Next-token logits [T, vocab] (the last `keep` positions only when keep > 0) with `v`'s cache."""
+    _STATE.plans, _STATE.variant = plan_layers(arch, v), v
+    _STATE.backend, _STATE.device = backend, device
+    if keep:
+        try:  # the vocabulary projection of every position would dwarf the rest at long prompts
+            return model(ids, use_cache=False, logits_to_keep=keep).logits[0].float()
+        except TypeError:  # a model class without logits_to_keep
+            return model(ids, use_cache=False).logits[0, -keep:].float()
+    return model(ids, use_cache=False).logits[0].float()
+
+
 def run_model_check(folder: Path, arch: ModelArch, variants: list[Variant], device: torch.device, backend: str,
                     text_path: Path | None = None, max_tokens: int = 512, seed: int = 0,
-                    on_step: Callable[[str], None] | None = None) -> tuple[list[ModelCheck], str]:
+                    on_step: Callable[[str], None] | None = None, retrieval_contexts: list[int] | None = None,
+                    retrieval_trials: int = 0) -> tuple[list[ModelCheck], str, list[RetrievalPoint], str]:
     """Agreement, KL and perplexity of each variant's cache against the BF16 cache (BF16 against the model's
-    own attention). `on_step` is called after loading and after each forward pass."""
+    own attention); on a GPU the same through the float64 references beside the kernels' figures; then the
+    retrieval test at `retrieval_contexts` when `retrieval_trials` > 0. `on_step` is called after loading and
+    after each forward pass (or each variant's retrieval prompts at one context)."""
     model, gguf_file = load_model(folder, device)
     src, _ = model_source(folder)
-    ids, what = load_tokens(src, text_path, max_tokens, model.config.vocab_size, seed, gguf_file)
+    tok = load_tokenizer(src, gguf_file)
+    ids, what = load_tokens(src, text_path, max_tokens, model.config.vocab_size, seed, gguf_file, tok)
     ids = ids.to(device)
     if on_step:
         on_step(f"loaded {folder.name}")
     _register()
     stock = model.config._attn_implementation
+    backends = [backend] + (["reference"] if backend != "reference" else [])
+    points: list[RetrievalPoint] = []
+    retrieval_note = ""
     with torch.no_grad():
         reference = model(ids, use_cache=False).logits[0].float()
         if on_step:
             on_step(f"model's own {stock} attention")
         model.config._attn_implementation = ATTN_NAME
         try:
-            logits: dict[str, torch.Tensor] = {}
-            for v in variants:
-                _STATE.plans, _STATE.variant = plan_layers(arch, v), v
-                _STATE.backend, _STATE.device = backend, device
-                logits[v.name] = model(ids, use_cache=False).logits[0].float()
-                if on_step:
-                    on_step(v.name)
+            logits: dict[tuple[str, str], torch.Tensor] = {}
+            for b in backends:
+                for v in variants:
+                    logits[(b, v.name)] = _forward(model, ids, arch, v, b, device)
+                    if on_step:
+                        on_step(v.name if b == backend else f"{v.name} (float64 reference)")
+            if retrieval_trials > 0:
+                points, retrieval_note = _retrieval(model, tok, arch, variants, device, backend,
+                                                    retrieval_contexts or [], retrieval_trials, seed, on_step)
         finally:
             model.config._attn_implementation = stock
             _STATE.plans = _STATE.variant = None
     targets = ids[0, 1:]
-    base = logits[variants[0].name]
-    checks = [_compare(f"{variants[0].name} (vs the model's own {stock} attention)", reference, base, targets)]
-    checks += [_compare(v.name, base, logits[v.name], targets) for v in variants[1:]]
+    first = variants[0].name
+    checks = [_compare(f"{first} (vs the model's own {stock} attention)", reference, logits[(backend, first)],
+                       targets)]
+    checks += [_compare(v.name, logits[(backend, first)], logits[(backend, v.name)], targets) for v in variants[1:]]
+    if len(backends) > 1:
+        ref = [_compare("", reference, logits[("reference", first)])]
+        ref += [_compare("", logits[("reference", first)], logits[("reference", v.name)]) for v in variants[1:]]
+        for c, r in zip(checks, ref):
+            c.reference_agreement, c.reference_kl_mean = r.agreement, r.kl_mean
+            c.kernel_kl_ratio = round(c.kl_mean / r.kl_mean, 3) if r.kl_mean > 0 else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return checks, (f"{folder.name}: {what}, {dtype} weights"
-                    + (" (dequantized from GGUF)" if gguf_file else "") + f", on {device.type}")
+    note = (f"{folder.name}: {what}, {dtype} weights" + (" (dequantized from GGUF)" if gguf_file else "")
+            + f", on {device.type}" + (" through the kernels and through the float64 references"
+                                       if len(backends) > 1 else ""))
+    return checks, note, points, retrieval_note
+
+
+RETRIEVAL_FACT = "\n\nThe secret passcode is{answer}. Remember this passcode.\n\n"
+RETRIEVAL_QUESTION = "\n\nQuestion: what is the secret passcode given in the text above?\nAnswer: The secret passcode is"
+RETRIEVAL_MAX_TOKENS = 32768
+"""Longest retrieval prompt: each one is a full causal pass, T queries over up to T stored tokens per layer."""
+
+
+def retrieval_prompts(tok: Any, filler: list[int], context: int, trials: int, seed: int) -> list[tuple[list[int], int]]:
+    """(token ids, answer length) of `trials` prompts of `context` tokens: filler text with a six-digit passcode
+    planted at depths spread evenly over the prompt, and the question at the end followed by the answer."""
+    import random
+
+    rng = random.Random(seed * 1_000_003 + context)
+    prefix = tok("", add_special_tokens=True).input_ids  # BOS where the tokenizer adds one
+    question = tok(RETRIEVAL_QUESTION, add_special_tokens=False).input_ids
+    out = []
+    for i in range(trials):
+        answer_text = f" {rng.randrange(100_000, 1_000_000)}"
+        fact = tok(RETRIEVAL_FACT.format(answer=answer_text), add_special_tokens=False).input_ids
+        answer = tok(answer_text, add_special_tokens=False).input_ids
+        budget = context - len(prefix) - len(fact) - len(question) - len(answer)
+        if budget < 16:
+            raise InputError(f"a retrieval prompt of {context} tokens has no room for filler text; use longer contexts.")
+        depth = (i + 0.5) / trials
+        before = int(budget * depth)
+        start = rng.randrange(len(filler))
+        text = [filler[(start + j) % len(filler)] for j in range(budget)]
+        out.append((prefix + text[:before] + fact + text[before:] + question + answer, len(answer)))
+    return out
+
+
+def _retrieval(model: Any, tok: Any, arch: ModelArch, variants: list[Variant], device: torch.device, backend: str,
+               contexts: list[int], trials: int, seed: int,
+               on_step: Callable[[str], None] | None) -> tuple[list[RetrievalPoint], str]:
+    if tok is None:
+        return [], "skipped: the model has no tokenizer to write the prompts with"
+    limit = min(RETRIEVAL_MAX_TOKENS, int(getattr(model.config, "max_position_embeddings", 0) or RETRIEVAL_MAX_TOKENS))
+    run_at = [c for c in contexts if c <= limit]
+    skipped = [c for c in contexts if c > limit]
+    if not run_at:
+        return [], f"skipped: every context is above {limit:,} tokens (the model's limit or the pass's cost)"
+    text, source = builtin_text()
+    filler = tok(text, add_special_tokens=False).input_ids
+    points: list[RetrievalPoint] = []
+    for c in run_at:
+        prompts = retrieval_prompts(tok, filler, c, trials, seed)
+        hit: dict[str, list[bool]] = {}
+        for v in variants:
+            hit[v.name] = []
+            for ids, n in prompts:
+                x = torch.tensor([ids], device=device)
+                lg = _forward(model, x, arch, v, backend, device, keep=n + 1)
+                guess = lg[:-1].argmax(-1)
+                hit[v.name].append(bool((guess == x[0, -n:]).all()))
+            if on_step:
+                on_step(f"retrieval {v.name} at {c:,}")
+        base = hit[variants[0].name]
+        for v in variants:
+            hits = hit[v.name]
+            p = RetrievalPoint(variant=v.name, context_tokens=c, trials=len(hits), hits=sum(hits))
+            if v is not variants[0]:
+                kept, n_base = sum(a and b for a, b in zip(base, hits)), sum(base)
+                p.kept, p.bf16_hits = kept, n_base
+                if n_base:
+                    lo, hi = wilson(kept, n_base)
+                    p.recovery, p.recovery_low, p.recovery_high = round(kept / n_base, 4), round(lo, 4), round(hi, 4)
+            points.append(p)
+    note = (f"{trials} prompts per context: filler from {source}, a six-digit "
+            "passcode planted at depths spread evenly from start to end, the question at the end; a hit when every "
+            "answer token is the top-1 next token (teacher forced); recovery = the BF16 hits the format keeps, with "
+            "its 95% Wilson interval")
+    if skipped:
+        note += f"; not run at {', '.join(f'{c:,}' for c in skipped)} (above {limit:,} tokens)"
+    return points, note
 
 
 def _perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:

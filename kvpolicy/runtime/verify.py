@@ -115,6 +115,41 @@ class ModelCheck(_Model):
     """99th percentile of the per-position KL."""
     ppl_delta: float | None = None
     """Perplexity of the text under this format over BF16's, minus 1 (0.013 = +1.3%)."""
+    reference_agreement: float | None = None
+    """On a GPU: the same figure through the float64 references instead of the kernels (the kernels' own error
+    shows as the difference)."""
+    reference_kl_mean: float | None = None
+    """On a GPU: mean KL through the float64 references."""
+    kernel_kl_ratio: float | None = None
+    """`kl_mean` over `reference_kl_mean`: what the kernels add to the format's own loss (at most
+    KERNEL_KL_RATIO_MAX expected)."""
+
+
+KERNEL_KL_RATIO_MAX = 1.5
+"""The kernels' mean KL may be at most this multiple of the float64 references' for the same format."""
+
+
+class RetrievalPoint(_Model):
+    """Model-level retrieval in real text at one context: a fact planted at some depth, asked at the end."""
+
+    variant: str
+    """Variant name."""
+    context_tokens: int
+    """Tokens in each prompt (filler text, the fact, the question and the answer)."""
+    trials: int
+    """Prompts (depths x facts)."""
+    hits: int
+    """Prompts whose every answer token is the model's top-1 next token (teacher forced)."""
+    kept: int | None = None
+    """Prompts hit by both BF16 and this format."""
+    bf16_hits: int | None = None
+    """Prompts BF16 hit (the denominator of `recovery`)."""
+    recovery: float | None = None
+    """kept / bf16_hits (None for BF16 itself, or when BF16 hit none)."""
+    recovery_low: float | None = None
+    """Lower end of the 95% Wilson interval of `recovery`."""
+    recovery_high: float | None = None
+    """Upper end of that interval."""
 
 
 class ModelThresholds(_Model):
@@ -171,6 +206,10 @@ class VerifyResult(_Model):
     """Why the model-level check did or did not run."""
     model_thresholds: ModelThresholds | None = None
     """What the model-level figures were judged against (when they decided)."""
+    retrieval: list[RetrievalPoint] = Field(default_factory=list)
+    """Model-level retrieval in real text, per variant and context, when it ran."""
+    retrieval_note: str = ""
+    """How the retrieval prompts were built, or why it did not run."""
     warnings: list[str] = Field(default_factory=list)
     """What the reader must know."""
 

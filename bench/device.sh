@@ -12,13 +12,17 @@
 #   runtime37 issue 37's targets before (the tree in .ab/rt_base, carried) and after (this tree), same call: GPU
 #             tests, kvpolicy bench (Llama, fp8 and turboquant_4bit_nc, batch 1), bench_host.py's host cost, the
 #             BF16 kernel against cuDNN eager and in graph replay, the one-level needle verify at 64k-256k
+#   model     verify's model-level check on a real checkpoint through the kernels and the float64 references,
+#             with the retrieval test (MODEL_ARGS: verify options). A checkpoint above the 64 MiB a call carries
+#             travels in parts (split -b; carried as .ab/part*/ over calls while the machine is warm): each
+#             call keeps its parts in /tmp/parts and the run starts once their concatenation has MODEL_MD5
 #   evidence  the evidence run (every row, batch 8, --evidence) and the Gluon rows at batch 1 (KVP_COMMIT: the
 #             commit measured)
 # Logs and JSON go to OUTDIR (the device returns at most 8 files). Pure-Python wheels that the device image lacks
 # (pydantic, ruamel.yaml; `pip download` them into the git-ignored .whl/ and carry it) are installed when present.
 set -uo pipefail
-out=${1:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|runtime37|pth|evidence}
-mode=${2:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|runtime37|pth|evidence}
+out=${1:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|runtime37|pth|model|evidence}
+mode=${2:?usage: bash bench/device.sh OUTDIR tests|bench|ab|runtime|runtime37|pth|model|evidence}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -108,6 +112,29 @@ runtime37)
   grep "^|" $tmp/graph.log | grep -v -- "---"
   } 2>&1 | tee "$out/summary.log"
   ;;
+model)
+  mkdir -p /tmp/parts && cp .ab/part*/* /tmp/parts/ 2> /dev/null
+  cat /tmp/parts/* > /tmp/model.gguf
+  have=$(md5sum < /tmp/model.gguf | cut -d' ' -f1)
+  [ "$have" = "${MODEL_MD5:?set MODEL_MD5}" ] || { echo "parts so far: $(ls /tmp/parts | tr '\n' ' ')"; exit 0; }
+  timeout 540 python3 -m kvpolicy verify -m /tmp/model.gguf -f json --out "$out" ${MODEL_ARGS:-} \
+      > "$out/verify_model.json" 2> "$out/verify_model.err"
+  echo "verify: exit $?"; tail -5 "$out/verify_model.err"
+  python3 - "$out/verify_model.json" << 'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for c in r["model_check"]:
+    print(f"{c['variant'][:40]:40} agree {c['agreement']:.4f} kl {c['kl_mean']:.4g} p99 {c['kl_p99']} ppl {c['ppl_delta']} "
+          f"| ref agree {c['reference_agreement']} kl {c['reference_kl_mean']} ratio {c['kernel_kl_ratio']}")
+for p in r["retrieval"]:
+    print("retrieval", p["variant"], p["context_tokens"], p["hits"], p["trials"], p["recovery"], p["kept"], p["bf16_hits"])
+for p in r["points"]:
+    print("needle", p["geometry"][:20], p["variant"], p["context_tokens"], p["hits"], p["trials"], p["recovery"])
+for v in r["verdicts"]:
+    print("verdict", v["variant"], v["verdict"], v["basis"], v["reason"][:160])
+print("warnings", r["warnings"])
+PY
+  ;;
 evidence)
   export KVP_COMMIT=${KVP_COMMIT:-unknown}
   timeout 360 python3 bench/bench_decode.py \
@@ -119,6 +146,6 @@ evidence)
   grep -h -A14 "slope ns/token" "$out/evidence_b8.log" "$out/evidence_b1.log"
   ;;
 *)
-  echo "unknown mode $mode: tests, bench, ab, runtime, pth or evidence"; exit 2
+  echo "unknown mode $mode: tests, bench, ab, runtime, runtime37, pth, model or evidence"; exit 2
   ;;
 esac

@@ -1,6 +1,6 @@
 """Store kernel: quantize new tokens' K/V and pack them into a paged TurboQuant cache.
 
-One program codes BLOCK_T tokens of one KV head: it rotates the keys by the
+One program codes the keys of BLOCK_T tokens of one KV head, another their values: it rotates the keys by the
 shared Hadamard matrix, exactly up to fp32 sums (so the codes match the float64
 reference except at exact ties): the matrix is +-1 / sqrt(D), and each fp32 key
 splits exactly into three bf16 pieces whose products with +-1 are exact, so
@@ -68,6 +68,7 @@ def _store_kv_tq_kernel(
 ):
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
+    part = tl.program_id(2)  # 0: the keys, 1: the values (independent: two programs halve a token's latency)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + offs_t, mask=offs_t < num_tokens, other=-1)
     valid = slot >= 0
@@ -83,7 +84,18 @@ def _store_kv_tq_kernel(
     k_row = key_ptr + offs_t.to(tl.int64)[:, None] * stride_kt + head * stride_kh
     v_row = value_ptr + offs_t.to(tl.int64)[:, None] * stride_vt + head * stride_vh
 
-    # ---- keys ----
+    if part == 0:
+        _store_keys(k_row, cache_u8_ptr, cache_f16_ptr, rot_ptr, bnd_ptr, cb_ptr, rot_scale, base, dest, valid, cols,
+                    HEAD_DIM, KEY_BITS, KNORM_OFF, FP8_MAX, PLANAR, BLOCK_T, INTERPRET)
+    else:
+        _store_values(v_row, cache_u8_ptr, cache_f16_ptr, base, dest, valid, cols, HEAD_DIM, V_BITS, V_OFF,
+                      VSCALE_OFF, VZERO_OFF, PLANAR, BLOCK_T)
+
+
+@triton.jit
+def _store_keys(k_row, cache_u8_ptr, cache_f16_ptr, rot_ptr, bnd_ptr, cb_ptr, rot_scale, base, dest, valid, cols,
+                HEAD_DIM: tl.constexpr, KEY_BITS: tl.constexpr, KNORM_OFF: tl.constexpr, FP8_MAX: tl.constexpr,
+                PLANAR: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
     k = tl.load(k_row + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     if KEY_BITS == 8:
         k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)  # saturate like vLLM's satfinite cast
@@ -136,7 +148,11 @@ def _store_kv_tq_kernel(
         stored = tl.minimum(knorm / tl.sqrt(csq), _F16_MAX)
         tl.store(cache_f16_ptr + _at16(base, dest, KNORM_OFF, valid, PLANAR), stored.to(tl.float16), mask=valid)
 
-    # ---- values ----
+
+@triton.jit
+def _store_values(v_row, cache_u8_ptr, cache_f16_ptr, base, dest, valid, cols, HEAD_DIM: tl.constexpr,
+                  V_BITS: tl.constexpr, V_OFF: tl.constexpr, VSCALE_OFF: tl.constexpr, VZERO_OFF: tl.constexpr,
+                  PLANAR: tl.constexpr, BLOCK_T: tl.constexpr):
     LEVELS: tl.constexpr = 2**V_BITS - 1
     v = tl.load(v_row + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     v = tl.minimum(tl.maximum(v, -_F16_MAX), _F16_MAX)
@@ -212,7 +228,7 @@ def store_kv_tq(
         return
     check_slots(slot_mapping, cache.shape[0] * (PLANAR_PAGE if planar else cache.shape[1]))
     tabs = kernel_tables(fmt, d, cache.device)
-    grid = (triton.cdiv(t, block_t), h)
+    grid = (triton.cdiv(t, block_t), h, 2)
     _store_kv_tq_kernel[grid](
         key, value, cache, cache.view(torch.float16), slot_mapping,
         tabs["rot_t_sign_f16"], tabs["boundaries_f32"], tabs["codebook_f32"], tabs["planar_dest_i32"], d ** -0.5,

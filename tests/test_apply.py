@@ -410,3 +410,25 @@ def test_unknown_installed_version_is_spelled_as_the_newest(capsys, monkeypatch)
     monkeypatch.setattr(vllm_launch, "find_vllm", lambda python=None: install)
     code, out, err = run_cli(capsys, "apply", "-m", "gpt-oss-20b", "-g", "h100", "--dry-run", "--no-validate")
     assert code == 0 and "--attention-backend FLASH_ATTN" in out and "newest known" in err
+
+
+@pytest.mark.parametrize(("given", "ok"), [("131072", True), ("128K", True), ("128k", False), ("200000", False),
+                                           ("1.5K", False), ("auto", True)])
+def test_a_max_model_len_after_the_separator_must_be_the_decided_context(capsys, no_vllm, given, ok):
+    """vLLM reads 128k as 128,000 and 128K as 131,072: anything but the decided context would serve a length
+    whose limit and memory no one checked (200000 is above Llama-3.1's 131,072)."""
+    code, out, err = run_cli(capsys, "apply", "-m", "llama-3.1-8b", "-g", "h100", "-c", "128k", "--dry-run", "--",
+                             "--max-model-len", given)
+    if ok:
+        assert code == 0, err
+        assert f"--max-model-len {given}" in out
+    else:
+        assert code == 2 and "--context" in err, err
+
+
+def test_vllm_reads_token_counts_as_vllm_does():
+    from kvpolicy.outputs.vllm_flags import vllm_human_int
+
+    assert [vllm_human_int(t) for t in ("1k", "1K", "25.6k", "2M", "-1", "auto", "4096")] == [
+        1000, 1024, 25600, 2 * 2**20, -1, -1, 4096]
+    assert vllm_human_int("1.5K") is None and vllm_human_int("lots") is None

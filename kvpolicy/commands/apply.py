@@ -110,6 +110,29 @@ def decide(args: argparse.Namespace) -> tuple[Recommendation, ModelArch, str]:
     return rec, arch, model_for_vllm(arch, args.model)
 
 
+def _check_user_max_model_len(user_args: list[str], context: int) -> None:
+    """A `--max-model-len` after `--` that is not the decision's context would launch vLLM at a length whose limit,
+    format and memory no one checked: the context goes through --context instead."""
+    from kvpolicy.outputs.vllm_flags import option_groups, vllm_human_int
+
+    for flag, tokens in option_groups(user_args):
+        if flag != "--max-model-len":
+            continue
+        text = tokens[0].split("=", 1)[1] if "=" in tokens[0] else " ".join(tokens[1:2])
+        value = vllm_human_int(text)
+        if value is None:
+            raise InputError(f"`{' '.join(tokens)}` after `--`: vLLM reads --max-model-len as a whole number, "
+                             "1k = 1,000, 1K = 1,024, or -1 / auto; pass the context as --context instead.")
+        if value == -1:
+            _note(f"warning: --max-model-len {text}: vLLM fits the length to the memory it finds; the decision "
+                  f"and its checks are for {context:,} tokens (--context)")
+        elif value != context:
+            raise InputError(f"`{' '.join(tokens)}` after `--` is {value:,} tokens, but the decision is for "
+                             f"{context:,} (--context): pass --context {value} instead of --max-model-len, so that "
+                             "the format, the model's length limit and the memory check follow the length vLLM "
+                             "serves.")
+
+
 def _note(text: str) -> None:
     sys.stderr.write(f"kvpolicy apply: {text}\n")
 
@@ -129,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         if flag is None or flag == "--model":
             raise InputError(f"`{' '.join(tokens)}` after `--`: the model comes from --model or the deployment.")
     rec, arch, model_ref = decide(args)
+    _check_user_max_model_len(user_args, rec.workload.context_tokens)
     install = find_vllm(args.vllm_python)
     try:
         version = parse_version(args.vllm_version) if args.vllm_version else install.version_tuple if install else None

@@ -239,3 +239,22 @@ def realisation(decision: Decision) -> str:
     elif decision.scale_source == "per_token_head":
         parts.append("scales: computed per token and head in the kernel")
     return "; ".join(parts)
+
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+
+
+def vllm_human_int(text: str) -> int | None:
+    """A token count as vLLM's `--max-model-len` reads it (vllm/utils/argparse_utils.py `human_readable_int_or_auto`):
+    `1k` = 1,000 and `1K` = 1,024, decimals only with the decimal suffixes; -1 / `auto` = -1 (fit to memory).
+    None when vLLM would refuse the text."""
+    value = text.strip()
+    if value == "-1" or value.lower() == "auto":
+        return -1
+    m = _HUMAN_INT.fullmatch(value)
+    if m:
+        number, suffix = m.groups()
+        if suffix in "kmgt":
+            return int(float(number) * 10 ** (3 * ("kmgt".index(suffix) + 1)))
+        return int(number) * 2 ** (10 * ("KMGT".index(suffix) + 1)) if number.isdigit() else None
+    return int(value) if value.isdigit() else None

@@ -772,8 +772,7 @@ def decode_attention_pth(
     dst = out
     if int4:
         # H diag(s) is sqrt(D) times orthogonal: scores come out D times larger, the output D times rotated
-        rot = rht_matrix(head_dim, device)
-        query = (query.float() @ rot).contiguous()
+        query = query.float() @ rht_matrix(head_dim, device)
         scale /= head_dim
         dst = torch.empty(out.shape, dtype=torch.float32, device=device)
     lay = pth_layout(fmt, head_dim)
@@ -785,5 +784,5 @@ def decode_attention_pth(
             inline_scales=pth_scales(cache), PTH=PTH_MODE[fmt], DATA_BYTES=lay.data_bytes, V_OFF=lay.v_off,
             KS_OFF4=lay.k_scale_off // 4, VS_OFF4=lay.v_scale_off // 4)
     if int4:
-        out.copy_(dst @ (rot.T / head_dim))
+        out.copy_(dst @ rht_matrix(head_dim, device, inverse=True))
     return out

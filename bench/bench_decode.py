@@ -42,7 +42,13 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvpolicy.formats import get_format
-from kvpolicy.kernels.decode_attention import DecodeConfig, decode_attention, decode_attention_pth, default_config
+from kvpolicy.kernels.decode_attention import (
+    DecodeConfig,
+    decode_attention,
+    decode_attention_pth,
+    default_config,
+    pth_config,
+)
 from kvpolicy.kernels.formats import PTH_FORMATS, TQ_FORMATS
 from kvpolicy.kernels.launch import gluon_runs_on
 from kvpolicy.kernels.paged_store import allocate_cache, allocate_pth_cache, compute_kv_scales, store_kv, store_kv_pth
@@ -137,7 +143,7 @@ def _tq_gl_row(fmt: str) -> dict[str, Any]:
 
 def _pth_row(fmt: str, layout: str = "NHD", block_n: int | None = None, **decode_kwargs: Any) -> dict[str, Any]:
     """The per-token-head kernels (vLLM's rows of codes and inline scales, `layout` pages); `block_n` overrides
-    the tile's tokens (the default tiling's stages and sums)."""
+    the tile's tokens (the format's own stages and sums; split counts still assume the default tiling)."""
 
     def allocate(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
         return allocate_pth_cache(num_blocks, block_size, num_kv_heads, head_dim, fmt, device, layout)
@@ -149,7 +155,7 @@ def _pth_row(fmt: str, layout: str = "NHD", block_n: int | None = None, **decode
         opts = {k: v for k, v in {**decode_kwargs, **kwargs}.items()
                 if k in ("out", "num_splits", "sm_scale", "sliding_window", "two_level", "fp8_query")}
         if block_n is not None:
-            base = default_config(query.shape[-1], True, query.device)
+            base = pth_config(query.shape[-1], fmt, query.device)
             opts["config"] = DecodeConfig(block_n=block_n, num_stages=base.num_stages, defer_sum=base.defer_sum)
         return decode_attention_pth(query, cache, block_tables, seq_lens, fmt, sinks=sinks, **opts)
 

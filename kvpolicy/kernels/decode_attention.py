@@ -35,7 +35,6 @@ from kvpolicy.kernels.paged_store import (
     check_pth_cache,
     check_scale,
     fp8_e4m3_bits,
-    pth_scales,
     rht_matrix,
     round_away,
 )
@@ -352,12 +351,12 @@ def _decode_attention_kernel(
     INTERPRET: tl.constexpr,
     FP8_PV: tl.constexpr = False,
     # per-token-head caches (0: BF16/FP8; 1 fp8, 2 int8, 3 int4): one uint8 row per (token, KV head), K codes at
-    # 0, V codes at V_OFF; k_scale_ptr is the cache as fp32, the scales at KS_OFF4 / VS_OFF4 of a row
+    # 0, V codes at V_OFF, the fp32 scales at byte KS_OFF / VS_OFF (4-byte aligned, read through the row's address)
     PTH: tl.constexpr = 0,
     DATA_BYTES: tl.constexpr = 0,
     V_OFF: tl.constexpr = 0,
-    KS_OFF4: tl.constexpr = 0,
-    VS_OFF4: tl.constexpr = 0,
+    KS_OFF: tl.constexpr = 0,
+    VS_OFF: tl.constexpr = 0,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -426,7 +425,6 @@ def _decode_attention_kernel(
     pages = _load_pages(bt_row, offs_n, seq_len, PAGE_SIZE)
     if PTH != 0:
         offs_c = tl.arange(0, DATA_BYTES)
-        s_base = k_scale_ptr + kv_head * (stride_kh // 4)
         acc = tl.zeros([BLOCK_H, DATA_BYTES], tl.float32)  # int4: the low nibbles' half
         acc_hi = tl.zeros([BLOCK_H, DATA_BYTES], tl.float32)
         z_sum = tl.zeros([BLOCK_H], tl.float32)
@@ -435,11 +433,10 @@ def _decode_attention_kernel(
             valid = (offs_n < seq_len) & (offs_n >= start)
             in_page = offs_n.to(tl.uint32) % PAGE_SIZE
             row = pages * stride_kb + in_page * stride_kt
-            row4 = pages * (stride_kb // 4) + in_page * (stride_kt // 4)
             k = tl.load(k_base + row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
             v = tl.load(k_base + V_OFF + row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
-            ks = tl.load(s_base + KS_OFF4 + row4, mask=valid, other=0.0)
-            vs = tl.load(s_base + VS_OFF4 + row4, mask=valid, other=0.0)
+            ks = tl.load((k_base + KS_OFF + row).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+            vs = tl.load((k_base + VS_OFF + row).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
             pages = _load_pages(bt_row, offs_n + BLOCK_N, seq_len, PAGE_SIZE)
             m_i, l_i, acc, acc_hi, z_sum = _attend_tile_pth(k, v, ks, vs, valid, q_op, q_hi_op, q_sum, qk_scale, m_i,
                                                             l_i, acc, acc_hi, z_sum, PTH, FP8_QUERY, TWO_LEVEL,
@@ -640,10 +637,9 @@ def _launch(query: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_table
             seq_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
             sinks: torch.Tensor | None, out: torch.Tensor, scale: float, sliding_window: int | None, splits: int,
             cfg: DecodeConfig, page_size: int, *, kv_fp8: bool, fp8_query: bool, two_level: bool, k_stride: int = 0,
-            v_stride: int = 0, inline_scales: torch.Tensor | None = None, **path: int | bool) -> None:
+            v_stride: int = 0, **path: int | bool) -> None:
     """One launch of the paged kernel and the merge of its splits: shared by the BF16/FP8 and per-token-head
-    entry points, which differ only in their caches and the `path` constexprs (FP8_PV, the PTH fields);
-    `inline_scales` (the per-token-head cache as fp32) takes the k_scale pointer's place."""
+    entry points, which differ only in their caches and the `path` constexprs (FP8_PV, the PTH fields)."""
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = kc.shape[2]
     group = num_q_heads // num_kv_heads
@@ -652,7 +648,7 @@ def _launch(query: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_table
     dummy = seq_lens
     _decode_attention_kernel[(num_kv_heads, splits, batch)](
         query, kc, vc, block_tables, seq_lens,
-        inline_scales if inline_scales is not None else k_scale if k_scale is not None else dummy,
+        k_scale if k_scale is not None else dummy,
         v_scale if v_scale is not None else dummy, sinks if sinks is not None else dummy, out, part_out, part_lse,
         scale, int(sliding_window or 0), splits,
         query.stride(0), query.stride(1),
@@ -686,17 +682,26 @@ def _launch(query: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_table
         merge_splits(part_out, part_lse, sinks, out, splits)
 
 
-def pth_config(head_dim: int, fmt: str, device: torch.device) -> DecodeConfig:
-    """The tiling for a per-token-head cache: the FP8 kernel's (the same MMA chain per tile). int4 keeps the same
-    token count (half the bytes): twice the tokens took 184-255 registers per thread against 128-138 in an sm_90
-    compile, one program per SM fewer."""
-    return default_config(head_dim, True, device)
-
+# The tiling of each per-token-head format: (tokens per tile, pipeline stages), the softmax sum per tile (a deferred
+# sum costs 8-36 registers here, a program per SM). vLLM's rows put V codes at 4 bytes past a 4-byte scale, so the
+# tiles load in 8- and 4-byte pieces (no 16-byte cp.async) and latency is hidden by depth instead: each choice keeps
+# 100-210 KB of K/V in flight per SM (resident programs x tile bytes x (stages - 1)), what the FP8 kernel keeps.
+_PTH_TILING = {("fp8_per_token_head", 128): (64, 3), ("fp8_per_token_head", 64): (64, 5),
+               ("int8_per_token_head", 128): (32, 5), ("int8_per_token_head", 64): (64, 7),
+               ("int4_per_token_head", 128): (64, 7), ("int4_per_token_head", 64): (128, 5)}
 
 # Registers per thread and shared memory per program of `pth_config` (sm_90 compile, bench/sass_check.py)
-_PTH_PROGRAM_SIZE = {("fp8_per_token_head", 128): (144, 56320), ("fp8_per_token_head", 64): (144, 57344),
-                     ("int8_per_token_head", 128): (194, 37888), ("int8_per_token_head", 64): (228, 39936),
-                     ("int4_per_token_head", 128): (138, 21760), ("int4_per_token_head", 64): (128, 23808)}
+_PTH_PROGRAM_SIZE = {("fp8_per_token_head", 128): (108, 56320), ("fp8_per_token_head", 64): (102, 47104),
+                     ("int8_per_token_head", 128): (110, 36864), ("int8_per_token_head", 64): (128, 55296),
+                     ("int4_per_token_head", 128): (138, 56576), ("int4_per_token_head", 64): (126, 42240)}
+
+
+def pth_config(head_dim: int, fmt: str, device: torch.device) -> DecodeConfig:
+    """The tiling for a per-token-head cache (`_PTH_TILING`); the FP8 kernel's under the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return default_config(head_dim, True, device)
+    block_n, stages = _PTH_TILING[(fmt, 64 if head_dim <= 64 else 128)]
+    return DecodeConfig(block_n=block_n, num_stages=stages)
 
 
 def pth_programs_per_sm(head_dim: int, fmt: str, device: torch.device) -> int:
@@ -772,18 +777,18 @@ def decode_attention_pth(
     dst = out
     if int4:
         # H diag(s) is sqrt(D) times orthogonal: scores come out D times larger, the output D times rotated
-        rot = rht_matrix(head_dim, device)
-        query = (query.float() @ rot).contiguous()
+        query = query.float() @ rht_matrix(head_dim, device)
         scale /= head_dim
         dst = torch.empty(out.shape, dtype=torch.float32, device=device)
     lay = pth_layout(fmt, head_dim)
     cfg = config or pth_config(head_dim, fmt, device)
     splits = num_splits or split_count(batch, num_kv_heads, span(block_tables, cache.shape[1], sliding_window, cfg.block_n),
-                                       cfg.block_n, pth_programs_per_sm(head_dim, fmt, device), device)
+                                       cfg.block_n, pth_programs_per_sm(head_dim, fmt, device), device,
+                                       pow2_fill=0.85)
     _launch(query, cache, cache, block_tables, seq_lens, None, None, sinks, dst, scale, sliding_window, splits, cfg,
             cache.shape[1], kv_fp8=fmt == "fp8_per_token_head", fp8_query=fp8_query, two_level=two_level,
-            inline_scales=pth_scales(cache), PTH=PTH_MODE[fmt], DATA_BYTES=lay.data_bytes, V_OFF=lay.v_off,
-            KS_OFF4=lay.k_scale_off // 4, VS_OFF4=lay.v_scale_off // 4)
+            PTH=PTH_MODE[fmt], DATA_BYTES=lay.data_bytes, V_OFF=lay.v_off, KS_OFF=lay.k_scale_off,
+            VS_OFF=lay.v_scale_off)
     if int4:
-        out.copy_(dst @ (rot.T / head_dim))
+        out.copy_(dst @ rht_matrix(head_dim, device, inverse=True))
     return out

@@ -276,12 +276,29 @@ def _rht_cpu(head_dim: int) -> torch.Tensor:
     return signs.to(torch.float64)[:, None] * h
 
 
-def rht_matrix(head_dim: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+@functools.cache
+def _rht_on(head_dim: int, device: torch.device, dtype: torch.dtype, inverse: bool) -> torch.Tensor:
+    r = _rht_cpu(head_dim)
+    return (r.T / head_dim if inverse else r).to(device=device, dtype=dtype).contiguous()
+
+
+def _device_key(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def rht_matrix(head_dim: int, device: torch.device | str, dtype: torch.dtype = torch.float32,
+               inverse: bool = False) -> torch.Tensor:
     """R [D, D] of int4_per_token_head's rotation, for row vectors: `x @ R` is vLLM's `single_rht(x)` (H diag(s) x,
-    H the unnormalised Sylvester Hadamard), `y @ R.T / D` its inverse."""
+    H the unnormalised Sylvester Hadamard); with `inverse`, R.T / D (`y @ R.T / D` undoes it).
+
+    One shared tensor per (D, device, dtype), read-only: the copy from the host is a sync that a CUDA graph cannot
+    capture, so it happens once, not in every decode call."""
     if head_dim & (head_dim - 1):
         raise ValueError(f"the rotation takes a power-of-two head_dim, got {head_dim}")
-    return _rht_cpu(head_dim).to(device=device, dtype=dtype)
+    return _rht_on(head_dim, _device_key(device), dtype, inverse)
 
 
 def rotate_kv(x: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,9 @@ def test_rotation_is_vllms_scaled_hadamard() -> None:
     r = rht_matrix(64, "cpu", torch.float64)
     assert torch.allclose(r @ r.T, 64 * torch.eye(64, dtype=torch.float64))
     assert set(r.abs().unique().tolist()) == {1.0}
+    assert torch.equal(r @ rht_matrix(64, "cpu", torch.float64, inverse=True), torch.eye(64, dtype=torch.float64))
+    # one copy per device: a host-to-device copy in every decode call would be a sync no CUDA graph can capture
+    assert rht_matrix(128, "cpu") is rht_matrix(128, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("fmt", PTH_FORMATS)
@@ -178,3 +181,26 @@ def test_gpu_realistic_shapes(device: str, fmt: str, geometry) -> None:
         ref_store_kv_pth(key, key, expected, slots, fmt)
         used = cache.flatten(0, 1)[slots]
         assert torch.equal(used, expected.flatten(0, 1)[slots])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", PTH_FORMATS)
+def test_gpu_decode_replays_in_a_cuda_graph(device: str, fmt: str) -> None:
+    """The runtime and the benchmark capture decode steps: every format's call (int4's rotations included) must
+    capture, and its replay must give the eager call's output."""
+    case = make_case(device, fmt, [3000, 17, 1025, 4096], 32, 8, 128)
+    args = (case["query"], case["cache"], case["tables"], case["seq_lens"], fmt)
+    eager = decode_attention_pth(*args)
+    out = torch.empty_like(eager)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_attention_pth(*args, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention_pth(*args, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

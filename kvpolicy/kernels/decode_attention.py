@@ -682,26 +682,26 @@ def _launch(query: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_table
         merge_splits(part_out, part_lse, sinks, out, splits)
 
 
-# The tiling of each per-token-head format: (tokens per tile, pipeline stages), the softmax sum per tile (a deferred
-# sum costs 8-36 registers here, a program per SM). vLLM's rows put V codes at 4 bytes past a 4-byte scale, so the
-# tiles load in 8- and 4-byte pieces (no 16-byte cp.async) and latency is hidden by depth instead: each choice keeps
-# 100-210 KB of K/V in flight per SM (resident programs x tile bytes x (stages - 1)), what the FP8 kernel keeps.
-_PTH_TILING = {("fp8_per_token_head", 128): (64, 3), ("fp8_per_token_head", 64): (64, 5),
-               ("int8_per_token_head", 128): (32, 5), ("int8_per_token_head", 64): (64, 7),
-               ("int4_per_token_head", 128): (64, 7), ("int4_per_token_head", 64): (128, 5)}
+# The tiling of each per-token-head format: (tokens per tile, pipeline stages, deferred softmax sum). vLLM's rows put
+# V codes at 4 bytes past a 4-byte scale, so the tiles load in 8- and 4-byte pieces (no 16-byte cp.async) and
+# latency is hidden by depth: the deeper tiles won at head_dim 128 and for fp8 at 64 in an H100 A/B against the
+# FP8 kernel's tiling; int8/int4 at head_dim 64 kept it (the deep tiles were 1.4-1.5x slower per token there).
+_PTH_TILING = {("fp8_per_token_head", 128): (64, 3, False), ("fp8_per_token_head", 64): (64, 5, False),
+               ("int8_per_token_head", 128): (32, 5, False), ("int8_per_token_head", 64): (128, 3, True),
+               ("int4_per_token_head", 128): (64, 7, False), ("int4_per_token_head", 64): (128, 3, True)}
 
 # Registers per thread and shared memory per program of `pth_config` (sm_90 compile, bench/sass_check.py)
 _PTH_PROGRAM_SIZE = {("fp8_per_token_head", 128): (108, 56320), ("fp8_per_token_head", 64): (102, 47104),
-                     ("int8_per_token_head", 128): (110, 36864), ("int8_per_token_head", 64): (128, 55296),
-                     ("int4_per_token_head", 128): (138, 56576), ("int4_per_token_head", 64): (126, 42240)}
+                     ("int8_per_token_head", 128): (110, 36864), ("int8_per_token_head", 64): (228, 39936),
+                     ("int4_per_token_head", 128): (138, 56576), ("int4_per_token_head", 64): (128, 23808)}
 
 
 def pth_config(head_dim: int, fmt: str, device: torch.device) -> DecodeConfig:
     """The tiling for a per-token-head cache (`_PTH_TILING`); the FP8 kernel's under the interpreter."""
     if device.type != "cuda" or interpreting():
         return default_config(head_dim, True, device)
-    block_n, stages = _PTH_TILING[(fmt, 64 if head_dim <= 64 else 128)]
-    return DecodeConfig(block_n=block_n, num_stages=stages)
+    block_n, stages, defer = _PTH_TILING[(fmt, 64 if head_dim <= 64 else 128)]
+    return DecodeConfig(block_n=block_n, num_stages=stages, defer_sum=defer)
 
 
 def pth_programs_per_sm(head_dim: int, fmt: str, device: torch.device) -> int:

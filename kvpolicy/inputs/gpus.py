@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,10 +47,16 @@ class GpuSpec(BaseModel):
     @property
     def sm(self) -> int | None:
         """Compute capability as an integer (9.0 -> 90)."""
-        if not self.compute_capability:
-            return None
-        major, minor = self.compute_capability.split(".")
-        return int(major) * 10 + int(minor)
+        return _sm(self.compute_capability)
+
+
+@functools.cache
+def _sm(compute_capability: str | None) -> int | None:
+    # Read dozens of times per decision: parsed once per distinct string.
+    if not compute_capability:
+        return None
+    major, minor = compute_capability.split(".")
+    return int(major) * 10 + int(minor)
 
 
 def detect_gpu_names() -> list[str]:

@@ -27,6 +27,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvpolicy.formats import FORMATS, KvFormat
 from kvpolicy.inputs.arch import ATTENTION_KINDS, RECURRENT_KINDS, LayerSpec, ModelArch
@@ -217,8 +218,19 @@ def _layout(key: _ArchKey, dtype: str, skip_layers: tuple[str, ...], tp: int, sm
     requested = FORMATS[engine_dtype]
     formats = tuple(per_layer.get(i, requested) for i in range(arch.num_layers))
     order = ("full", "sliding", "chunked", "mla", "indexer")
-    return Layout(arch, formats, tp, tuple((k, by_kind[k]) for k in order if k in by_kind), dtype=dtype,
-                  skip_layers=skips, module_formats=tuple(module_formats), notes=tuple(notes))
+    layout = Layout(arch, formats, tp, tuple((k, by_kind[k]) for k in order if k in by_kind), dtype=dtype,
+                    skip_layers=skips, module_formats=tuple(module_formats), notes=tuple(notes))
+    # GPUs of another compute capability mostly get the same layout: one object for equal content, so that the
+    # specs and groups cached per layout object (`_grouping`) serve all of them.
+    same = (key, tuple(f.name for f in formats), tp, layout.by_kind, dtype, skips,
+            tuple(f.name if f is not None else None for f in module_formats), layout.notes)
+    if len(_LAYOUTS) >= 4096:
+        _LAYOUTS.clear()
+    return _LAYOUTS.setdefault(same, layout)
+
+
+_LAYOUTS: dict[tuple[Any, ...], Layout] = {}
+"""Layouts by content (`_layout`)."""
 
 
 # -- vLLM serve defaults that shape the allocation ---------------------------------------------

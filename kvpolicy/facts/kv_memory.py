@@ -470,8 +470,7 @@ def _plan(key: _ArchKey, layout: Layout, max_model_len: int, gpu_key: _GpuKey, b
         auto_1tok = model_heads * 2 * d * elem
         primary_1tok = auto_1tok if fmt.family == "bf16" else model_heads * 2 * d * 1
 
-    recurrent = [s for s in arch.layers if s.kind in RECURRENT_KINDS and s.state is not None]
-    mamba_page = max((s.state.bytes(tp) for s in recurrent if s.state), default=0)
+    recurrent, mamba_page = _mamba_page(key, tp)
     mamba_padded: int | None = None
     mamba_block = max_model_len
 
@@ -530,6 +529,13 @@ def _plan(key: _ArchKey, layout: Layout, max_model_len: int, gpu_key: _GpuKey, b
     bytes_per_block = max(_group_bytes(g) for g in groups) if groups else 0
     bpr = sum(g.blocks_per_request for g in groups)
     return KvPlan(layout, max_model_len, block, groups, bytes_per_block, bpr, defaults, tuple(notes), problem)
+
+
+@functools.lru_cache(maxsize=1024)
+def _mamba_page(key: _ArchKey, tp: int) -> tuple[bool, int]:
+    """(the model has recurrent-state layers, the largest state page on one rank), read by every plan."""
+    recurrent = [s for s in key.arch.layers if s.kind in RECURRENT_KINDS and s.state is not None]
+    return bool(recurrent), max((s.state.bytes(tp) for s in recurrent if s.state), default=0)
 
 
 @functools.lru_cache(maxsize=4096)

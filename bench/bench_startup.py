@@ -6,7 +6,8 @@ Each run starts the installed `kvpolicy` console script in a fresh process and w
 for it to exit. The cases take turns (one run of each, then the next round), so a
 load that comes and goes on a shared machine falls on all of them alike; the table
 reports the median, the spread, the median CPU time (user + system) and the median
-as a multiple of `python -c pass`. `--baseline` adds the same commands through another
+as a multiple of `python -c pass`; `import pydantic` (its model machinery alone) is the
+floor of any start that builds pydantic models. `--baseline` adds the same commands through another
 installation (e.g. a checkout of main in its own virtual environment).
 """
 
@@ -52,6 +53,8 @@ def main() -> None:
         cases[f"{tag}table"] = [path, *recommend]
         cases[f"{tag}json"] = [path, *recommend, "--format", "json"]
         cases[f"{tag}args"] = [path, *recommend, "--format", "args"]
+    # The floor of any start that uses pydantic models: importing pydantic's model machinery, nothing else.
+    cases["import pydantic"] = [sys.executable, "-c", "import pydantic.main"]
     cases["python -c pass"] = [sys.executable, "-c", "pass"]
     env = {**os.environ, "COLUMNS": "120"}
     # With PYTHONDONTWRITEBYTECODE an editable install recompiles every kvpolicy module on each start:

@@ -6,7 +6,6 @@ a traceback appears only with `--debug`.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 
 EXIT_OK = 0
@@ -36,6 +35,8 @@ class PolicyFailure(KvPolicyError):
 
 def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
     """Return ' Did you mean `a`, `b`?' for the closest choices, or '' when none is close."""
+    import difflib  # on error paths only: not paid by every start
+
     lowered = {c.lower(): c for c in choices}
     close = difflib.get_close_matches(word.lower(), list(lowered), n=n, cutoff=0.5)
     if not close:

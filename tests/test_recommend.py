@@ -179,6 +179,20 @@ def test_same_inputs_same_decision(builtin):
     assert a.model_dump() == b.model_dump()
 
 
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "llama-3.1-70b"])
+def test_answers_do_not_depend_on_earlier_calls(model):
+    """recommend() reuses a deployment's figures across priorities and concurrencies of one model, GPU and
+    context: each answer equals the one a fresh policy object (nothing reused) gives."""
+    arch, gpu = resolve_model(model), resolve_gpu("h100")
+    shared = load_policy()
+    for priority, concurrency in [("decode", 1), ("prefill", 64), ("balanced", 4096), ("decode", 2)]:
+        wl = make_workload(shared, context="128k", priority=priority, concurrency=concurrency)
+        fresh = load_policy()
+        alone = recommend(arch, gpu, make_workload(fresh, context="128k", priority=priority,
+                                                   concurrency=concurrency), fresh)
+        assert recommend(arch, gpu, wl, shared).model_dump() == alone.model_dump()
+
+
 def test_trace_lists_every_rule_with_reason(builtin):
     r = rec(builtin, "gpt-oss-20b", "h100")
     ids = [o.id for o in r.trace.rules]

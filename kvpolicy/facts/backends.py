@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpolicy import new_dict, new_list
 from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.datacache import builtin_data
@@ -67,10 +68,10 @@ class BackendRow(_Strict):
     kv_dtypes: list[str]
     sm: list[int]
     head_sizes: list[int] | HeadSizes | None = None
-    sinks: list[int] = Field(default_factory=list)
-    sliding_window: list[int] = Field(default_factory=list)
-    per_head_scales: list[int] = Field(default_factory=list)
-    refuse: list[Refusal] = Field(default_factory=list)
+    sinks: list[int] = Field(default_factory=new_list)
+    sliding_window: list[int] = Field(default_factory=new_list)
+    per_head_scales: list[int] = Field(default_factory=new_list)
+    refuse: list[Refusal] = Field(default_factory=new_list)
 
 
 class Matrix(_Strict):
@@ -79,7 +80,7 @@ class Matrix(_Strict):
     vllm_version: str
     backends: dict[str, BackendRow]
     priorities: dict[str, list[str]]
-    unavailable: dict[str, str] = Field(default_factory=dict)
+    unavailable: dict[str, str] = Field(default_factory=new_dict)
 
 
 def _parse_yaml(text: str) -> Any:

@@ -301,6 +301,10 @@ def kernel_slope(fig: KernelFigure) -> Estimate:
                     basis=fig.basis)
 
 
+_SHARED_FIGURES = 1024
+"""Deployments whose Figures a policy keeps for reuse (`Figures.shared`)."""
+
+
 class Figures:
     """The figures of one deployment, each computed once: `build_facts` states them as facts and
     `estimate` reuses them for the decided variant (concurrency, break-even, recovery, kernel figure)."""
@@ -314,6 +318,26 @@ class Figures:
         self.itl = find_itl(policy, arch, gpu)
         """The ITL fits measured for this model on this GPU, with their evidence id (None when there are none)."""
         self._memo: dict[tuple[Any, ...], Any] = {}
+
+    @classmethod
+    def shared(cls, policy: Policy, arch: ModelArch, gpu: GpuSpec, workload: Workload) -> Figures:
+        """The Figures of these inputs, reused across calls: they read only the workload's context, TP and memory
+        utilisation (priority, concurrency and floor change no figure), so `recommend` for the same model, GPU and
+        context under another priority or concurrency reuses every figure. Kept per policy object, a bounded few."""
+        cache = policy.derived.setdefault(f"{__name__}.Figures", {})
+        key = (id(arch), id(gpu), workload.context_tokens, workload.tp, workload.gpu_memory_utilization)
+        hit = cache.get(key)
+        # The entry holds arch and gpu, so their ids cannot be reused by other objects while it lives.
+        if hit is not None and hit.arch is arch and hit.gpu is gpu:
+            return hit
+        fig = cls(policy, arch, gpu, workload)
+        if len(cache) >= _SHARED_FIGURES:
+            try:
+                del cache[next(iter(cache))]  # the oldest entry
+            except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+                pass
+        cache[key] = fig
+        return fig
 
     def _once(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
         if key not in self._memo:

@@ -27,6 +27,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvpolicy.formats import FORMATS, KvFormat
 from kvpolicy.inputs.arch import ATTENTION_KINDS, RECURRENT_KINDS, LayerSpec, ModelArch
@@ -217,8 +218,19 @@ def _layout(key: _ArchKey, dtype: str, skip_layers: tuple[str, ...], tp: int, sm
     requested = FORMATS[engine_dtype]
     formats = tuple(per_layer.get(i, requested) for i in range(arch.num_layers))
     order = ("full", "sliding", "chunked", "mla", "indexer")
-    return Layout(arch, formats, tp, tuple((k, by_kind[k]) for k in order if k in by_kind), dtype=dtype,
-                  skip_layers=skips, module_formats=tuple(module_formats), notes=tuple(notes))
+    layout = Layout(arch, formats, tp, tuple((k, by_kind[k]) for k in order if k in by_kind), dtype=dtype,
+                    skip_layers=skips, module_formats=tuple(module_formats), notes=tuple(notes))
+    # GPUs of another compute capability mostly get the same layout: one object for equal content, so that the
+    # specs and groups cached per layout object (`_grouping`) serve all of them.
+    same = (key, tuple(f.name for f in formats), tp, layout.by_kind, dtype, skips,
+            tuple(f.name if f is not None else None for f in module_formats), layout.notes)
+    if len(_LAYOUTS) >= 4096:
+        _LAYOUTS.clear()
+    return _LAYOUTS.setdefault(same, layout)
+
+
+_LAYOUTS: dict[tuple[Any, ...], Layout] = {}
+"""Layouts by content (`_layout`)."""
 
 
 # -- vLLM serve defaults that shape the allocation ---------------------------------------------
@@ -458,8 +470,7 @@ def _plan(key: _ArchKey, layout: Layout, max_model_len: int, gpu_key: _GpuKey, b
         auto_1tok = model_heads * 2 * d * elem
         primary_1tok = auto_1tok if fmt.family == "bf16" else model_heads * 2 * d * 1
 
-    recurrent = [s for s in arch.layers if s.kind in RECURRENT_KINDS and s.state is not None]
-    mamba_page = max((s.state.bytes(tp) for s in recurrent if s.state), default=0)
+    recurrent, mamba_page = _mamba_page(key, tp)
     mamba_padded: int | None = None
     mamba_block = max_model_len
 
@@ -520,20 +531,43 @@ def _plan(key: _ArchKey, layout: Layout, max_model_len: int, gpu_key: _GpuKey, b
     return KvPlan(layout, max_model_len, block, groups, bytes_per_block, bpr, defaults, tuple(notes), problem)
 
 
+@functools.lru_cache(maxsize=1024)
+def _mamba_page(key: _ArchKey, tp: int) -> tuple[bool, int]:
+    """(the model has recurrent-state layers, the largest state page on one rank), read by every plan."""
+    recurrent = [s for s in key.arch.layers if s.kind in RECURRENT_KINDS and s.state is not None]
+    return bool(recurrent), max((s.state.bytes(tp) for s in recurrent if s.state), default=0)
+
+
 @functools.lru_cache(maxsize=4096)
 def _allocation(layout: Layout, block: int, skip_padded: int | None, mamba_padded: int | None, mamba_block: int,
                 mamba_align: bool, checkpoint_alignment: int | None, max_model_len: int,
                 in_flight: int) -> tuple[tuple[Group, ...], str | None]:
     """(KV cache groups, the first thing vLLM would assert on) for the specs of a layout at a max_model_len."""
+    shapes, problem = _grouping(layout, block, skip_padded, mamba_padded, mamba_block, mamba_align,
+                                checkpoint_alignment)
+    return tuple(Group(cls, n, slots, bs, page, max(s.blocks(max_model_len, in_flight) for s in members))
+                 for cls, n, slots, bs, page, members in shapes), problem
+
+
+_Shape = tuple[str, int, int, int, int, tuple["_Spec", ...]]
+"""A group before the context is known: (kind, layers, slots, block size, page bytes, the specs whose largest
+block count per request is the group's)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _grouping(layout: Layout, block: int, skip_padded: int | None, mamba_padded: int | None, mamba_block: int,
+              mamba_align: bool, checkpoint_alignment: int | None) -> tuple[tuple[_Shape, ...], str | None]:
+    """The groups of a layout's specs without their block counts: the grouping does not read the context, so
+    every max_model_len (and in-flight count) of the same specs shares it."""
     specs, problems = _specs(layout, block, skip_padded, mamba_padded, mamba_block, mamba_align, checkpoint_alignment)
     problem = problems[0] if problems else None
     try:
-        groups = _groups(specs, max_model_len, in_flight)
+        shapes = _groups(specs)
     except ValueError as exc:
         problem = problem or str(exc)
         top = max(s.page for s in specs)
-        groups = _groups([replace(s, page_size_padded=top) for s in specs], max_model_len, in_flight)
-    return tuple(groups), problem
+        shapes = _groups([replace(s, page_size_padded=top) for s in specs])
+    return tuple(shapes), problem
 
 
 def _packed_1tok(fmt: KvFormat, heads: int, arch: ModelArch, elem: int) -> int:
@@ -609,19 +643,18 @@ def _group_bytes(g: Group) -> int:
     return g.page_bytes * g.num_layers if not g.kind.startswith("mixed") else g.page_bytes
 
 
-def _groups(specs: Sequence[_Spec], max_len: int, in_flight: int) -> list[Group]:
-    """`get_kv_cache_groups` (v1/core/kv_cache_planning.py)."""
+def _groups(specs: Sequence[_Spec]) -> list[_Shape]:
+    """`get_kv_cache_groups` (v1/core/kv_cache_planning.py), block counts left to `_allocation`."""
     if not specs:
         return []
     first = specs[0]
     if all(s == first for s in specs):
-        return [Group(first.cls, len(specs), len(specs), first.block_size, first.page,
-                      first.blocks(max_len, in_flight))]
+        return [(first.cls, len(specs), len(specs), first.block_size, first.page, (first,))]
     if _uniform_type(specs):
         # UniformTypeKVCacheSpecs: one group, each layer keeps its page; blocks = the max over layers.
         kinds = "+".join(dict.fromkeys(s.cls for s in specs))
-        return [Group(f"mixed {kinds}", len(specs), len(specs), first.block_size, sum(s.page for s in specs),
-                      max(s.blocks(max_len, in_flight) for s in specs))]
+        return [(f"mixed {kinds}", len(specs), len(specs), first.block_size, sum(s.page for s in specs),
+                 tuple(dict.fromkeys(specs)))]
     specs = _unify_page_size(specs)
     buckets: dict[_Spec, list[int]] = {}
     for i, s in enumerate(specs):
@@ -630,12 +663,12 @@ def _groups(specs: Sequence[_Spec], max_len: int, in_flight: int) -> list[Group]
     group_size = min(sizes)
     if max(sizes) < group_size * 1.5:
         group_size = max(sizes)
-    groups: list[Group] = []
+    groups: list[_Shape] = []
     for s, members in buckets.items():
         num_groups = ceil_div(len(members), group_size)
         for i in range(num_groups):
             layers = members[i::num_groups]
-            groups.append(Group(s.cls, len(layers), group_size, s.block_size, s.page, s.blocks(max_len, in_flight)))
+            groups.append((s.cls, len(layers), group_size, s.block_size, s.page, (s,)))
     return groups
 
 

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvpolicy import new_list
+
 LegacyKind = Literal["full", "sliding", "mla", "linear", "shared"]
 """Cache kind per decoder layer in the older summary (`layer_types`): linear = no per-token KV."""
 LayerKind = Literal["full", "sliding", "chunked", "mla", "mamba", "gdn", "conv", "linear", "shared", "none"]
@@ -205,7 +207,7 @@ class ModelArch(BaseModel):
     """Hugging Face repository id, e.g. `openai/gpt-oss-20b`."""
     family: str = ""
     """Model family used by pins, e.g. `llama`, `gpt-oss`, `kimi`."""
-    aliases: list[str] = Field(default_factory=list)
+    aliases: list[str] = Field(default_factory=new_list)
     """Other names accepted on the command line."""
     model_type: str = ""
     """HF `model_type` of the decoder (text) config."""
@@ -213,9 +215,9 @@ class ModelArch(BaseModel):
     """The vLLM architecture class (`architectures[0]`)."""
     num_layers: int = Field(gt=0)
     """Decoder layers (`num_hidden_layers`)."""
-    layer_types: list[LegacyKind] = Field(default_factory=list)
+    layer_types: list[LegacyKind] = Field(default_factory=new_list)
     """Kind of each decoder layer in the older summary vocabulary (derived from `layers`)."""
-    layers: list[LayerSpec] = Field(default_factory=list)
+    layers: list[LayerSpec] = Field(default_factory=new_list)
     """Every cache-holding module, in decoder order (derived from the summary fields when not given)."""
     num_attention_heads: int = Field(gt=0)
     """Query heads per layer."""
@@ -265,7 +267,7 @@ class ModelArch(BaseModel):
     """Total parameters in billions; weights default to 2 bytes each when nothing else is known."""
     active_params_b: float | None = Field(default=None, gt=0)
     """Weights one token multiplies through, in billions (routed experts: top-k of them; no embeddings)."""
-    tp_rules: list[TpRule] = Field(default_factory=list)
+    tp_rules: list[TpRule] = Field(default_factory=new_list)
     """vLLM's divisibility rules for the tensor-parallel size (derived from heads when not given)."""
     source: str = ""
     """Where the numbers come from."""

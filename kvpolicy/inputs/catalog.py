@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpolicy import new_list
 from kvpolicy.errors import InputError
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.datacache import builtin_data
@@ -42,7 +43,7 @@ class CatalogEntry(BaseModel):
     id: str
     hf_id: str
     """Hugging Face repository id."""
-    aliases: list[str] = Field(default_factory=list)
+    aliases: list[str] = Field(default_factory=new_list)
     """Other names accepted on the command line."""
     family: str | None = None
     """Override of the family derived from model_type."""

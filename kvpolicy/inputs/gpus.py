@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpolicy import new_list
 from kvpolicy.errors import InputError
 
 Generation = Literal["ampere", "ada", "hopper", "blackwell", "cdna3", "cdna4"]
@@ -20,7 +22,7 @@ class GpuSpec(BaseModel):
     """Catalog id, e.g. `h100-sxm`."""
     name: str
     """Marketing name as nvidia-smi prints it, e.g. `NVIDIA H100 80GB HBM3`."""
-    aliases: list[str] = Field(default_factory=list)
+    aliases: list[str] = Field(default_factory=new_list)
     """Other names accepted on the command line (`h100`, `H100-SXM`)."""
     vendor: Literal["nvidia", "amd"] = "nvidia"
     """Vendor."""
@@ -34,7 +36,7 @@ class GpuSpec(BaseModel):
     """Peak memory bandwidth in TB/s."""
     fp8_compute: bool
     """FP8 tensor cores exist (SM89+); without them FP8 is storage only."""
-    fp8_formats: list[str] = Field(default_factory=list)
+    fp8_formats: list[str] = Field(default_factory=new_list)
     """FP8 encodings the tensor cores take (e4m3, e5m2, e4m3fnuz...)."""
     num_sms: int | None = Field(default=None, gt=0)
     """Streaming multiprocessors (compute units on AMD)."""
@@ -46,10 +48,16 @@ class GpuSpec(BaseModel):
     @property
     def sm(self) -> int | None:
         """Compute capability as an integer (9.0 -> 90)."""
-        if not self.compute_capability:
-            return None
-        major, minor = self.compute_capability.split(".")
-        return int(major) * 10 + int(minor)
+        return _sm(self.compute_capability)
+
+
+@functools.cache
+def _sm(compute_capability: str | None) -> int | None:
+    # Read dozens of times per decision: parsed once per distinct string.
+    if not compute_capability:
+        return None
+    major, minor = compute_capability.split(".")
+    return int(major) * 10 + int(minor)
 
 
 def detect_gpu_names() -> list[str]:

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from kvpolicy import new_dict, new_list
+
 TwoLevel = Literal["on", "off", "not_applicable"]
 ScaleSource = Literal["uncalibrated", "checkpoint_per_tensor", "checkpoint_per_head", "per_token_head"]
 DECISION_FIELDS = ("kv_cache_dtype", "skip_layers", "two_level_accumulation", "scale_source", "attention_backend")
@@ -190,11 +192,11 @@ class Rule(_Strict):
     """Condition; omitted = always."""
     then: DecisionPatch = Field(default_factory=lambda: DecisionPatch())
     """Fields set when the condition holds; empty for advice rules."""
-    warn: list[str] = Field(default_factory=list)
+    warn: list[str] = Field(default_factory=new_list)
     """Messages shown when this rule decides a field; `{fact.path}` placeholders are filled in."""
-    advise: list[str] = Field(default_factory=list)
+    advise: list[str] = Field(default_factory=new_list)
     """Advice listed under alternatives when the condition holds (evaluated after every field is decided)."""
-    evidence: list[str] = Field(default_factory=list)
+    evidence: list[str] = Field(default_factory=new_list)
     """Evidence ids backing the rule."""
     enabled: bool = True
     """False disables the rule (kept for the record)."""
@@ -334,12 +336,12 @@ class Evidence(_Strict):
     """Study, document or benchmark run it comes from."""
     itl: ItlMeasurement | None = None
     """Machine-readable ITL fits, used by the latency estimates."""
-    recovery: list[Recovery] = Field(default_factory=list)
+    recovery: list[Recovery] = Field(default_factory=new_list)
     """Machine-readable accuracy recoveries, used by the accuracy estimates."""
-    model_check: list[ModelFigure] = Field(default_factory=list)
+    model_check: list[ModelFigure] = Field(default_factory=new_list)
     """Model-level next-token figures of one model (`kvpolicy verify --record`): its accuracy estimate, judged by
     the `model_*` thresholds, and the `accuracy.*_model_check` facts the rules read."""
-    kernels: list[KernelMeasurement] = Field(default_factory=list)
+    kernels: list[KernelMeasurement] = Field(default_factory=new_list)
     """Decode-attention fits of kvpolicy's own kernels, attention only; used by the kernel slope estimate."""
 
 
@@ -352,7 +354,7 @@ class Threshold(_Strict):
     """The value when not keyed."""
     by: str | None = None
     """Fact whose value selects an entry of `values`, e.g. `gpu.generation`."""
-    values: dict[str, float] = Field(default_factory=dict)
+    values: dict[str, float] = Field(default_factory=new_dict)
     """Per-key values when `by` is set."""
     default: float | None = None
     """Value when `by`'s fact matches no key."""
@@ -360,7 +362,7 @@ class Threshold(_Strict):
     """Lowest sensible value (lint checks overrides)."""
     max: float | None = None
     """Highest sensible value (lint checks overrides)."""
-    evidence: list[str] = Field(default_factory=list)
+    evidence: list[str] = Field(default_factory=new_list)
     """Evidence ids backing the number."""
 
     @model_validator(mode="after")
@@ -418,7 +420,7 @@ class Pin(_Strict):
 class Constraints(_Strict):
     """Hard limits every decision must respect."""
 
-    forbid: dict[str, list[str]] = Field(default_factory=dict)
+    forbid: dict[str, list[str]] = Field(default_factory=new_dict)
     """Field -> fnmatch patterns of values that must never be chosen, e.g. `kv_cache_dtype: [turboquant_*]`."""
     min_accuracy_floor: float | None = Field(default=None, gt=0, le=1)
     """The accuracy floor may not be set lower than this."""
@@ -469,23 +471,23 @@ class Policy(_Strict):
     """What the policy is for."""
     extends: str | None = None
     """`builtin:default` or a path (relative to this file) whose content this file refines."""
-    thresholds: dict[str, Threshold] = Field(default_factory=dict)
+    thresholds: dict[str, Threshold] = Field(default_factory=new_dict)
     """Named numbers; an extending file may override `value`/`values` only."""
     defaults: DecisionPatch = Field(default_factory=DecisionPatch)
     """Decision fields no rule decides."""
-    rules: list[Rule] = Field(default_factory=list)
+    rules: list[Rule] = Field(default_factory=new_list)
     """Rules in evaluation order."""
-    disable: list[str] = Field(default_factory=list)
+    disable: list[str] = Field(default_factory=new_list)
     """Rule ids of the extended policy to switch off."""
-    order: list[str] = Field(default_factory=list)
+    order: list[str] = Field(default_factory=new_list)
     """Rule ids to move to the front, in this order (re-ordering an extended policy)."""
-    evidence: list[Evidence] = Field(default_factory=list)
+    evidence: list[Evidence] = Field(default_factory=new_list)
     """Measurements the rules cite."""
-    pins: list[Pin] = Field(default_factory=list)
+    pins: list[Pin] = Field(default_factory=new_list)
     """Forced fields, applied after the rules."""
     constraints: Constraints = Field(default_factory=Constraints)
     """Hard limits."""
-    deployments: list[Deployment] = Field(default_factory=list)
+    deployments: list[Deployment] = Field(default_factory=new_list)
     """Serving targets evaluated by `kvpolicy check`."""
 
     @cached_property
@@ -512,7 +514,7 @@ class Policy(_Strict):
 class PolicyLayer(Policy):
     """One file of an `extends` chain checked on its own: its thresholds may be partial."""
 
-    thresholds: dict[str, ThresholdPatch] = Field(default_factory=dict)  # type: ignore[assignment]
+    thresholds: dict[str, ThresholdPatch] = Field(default_factory=new_dict)  # type: ignore[assignment]
     """Threshold changes, merged over the inherited thresholds."""
 
 

@@ -19,7 +19,8 @@ from kvpolicy.rules.decision import Decision
 
 def model_for_vllm(arch: ModelArch, spec: str | None = None) -> str:
     """A local checkpoint's absolute folder, else the Hugging Face id (or the name as given)."""
-    source = Path(arch.source) if arch.source else None
+    # Catalog and GGUF sources are descriptions, not config.json paths: no Path for them (recommend's hot path).
+    source = Path(arch.source) if arch.source and "config.json" in arch.source else None
     if source is not None and source.name == "config.json" and source.is_file():
         return str(source.resolve().parent)
     return arch.hf_id or spec or arch.id

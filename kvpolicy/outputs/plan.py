@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpolicy import new_list
 from kvpolicy.facts.estimates import Estimate, Figures
 from kvpolicy.facts.load import (
     BANDWIDTH_EFFICIENCY,
@@ -127,9 +128,9 @@ class PlanOption(_Model):
     """TTFT and TPOT within the targets, not saturated."""
     meets_accuracy: bool
     """Expected accuracy recovery at or above the floor (unknown counts as below)."""
-    failures: list[str] = Field(default_factory=list)
+    failures: list[str] = Field(default_factory=new_list)
     """Why it misses the targets (empty when it meets them)."""
-    warnings: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=new_list)
     """The rules' warnings for this decision."""
     trace: Trace | None = None
     """The engine's rule-by-rule reasoning (one per KV dtype: the largest TP's)."""

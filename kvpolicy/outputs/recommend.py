@@ -29,7 +29,7 @@ def recommend(arch: ModelArch, gpu: GpuSpec, workload: Workload, loaded: LoadedP
     limit_warnings = check_request(arch, workload)
     # load_policy() already rejected unknown facts, thresholds and dtypes.
     policy = loaded.policy
-    figures = Figures(policy, arch, gpu, workload)
+    figures = Figures.shared(policy, arch, gpu, workload)
     facts = build_facts(arch, gpu, workload, policy, figures=figures)
     outcome = decide(policy, facts)
     decision = outcome.decision

@@ -10,6 +10,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvpolicy import new_dict, new_list
 from kvpolicy.inputs.policy_schema import Scalar, ScaleSource, TwoLevel
 
 
@@ -38,7 +39,7 @@ class TestInputs(_Strict):
     """Fraction of GPU memory vLLM may use."""
     deployment: str | None = None
     """Start from this deployment of the policy (its model, GPU and workload)."""
-    facts: dict[str, Scalar] = Field(default_factory=dict)
+    facts: dict[str, Scalar] = Field(default_factory=new_dict)
     """Fact overrides applied after the facts are built (`kvpolicy facts` lists them); alone, the only facts."""
 
 
@@ -57,11 +58,11 @@ class Expect(_Strict):
     """Expected attention backend (`null` for vLLM's choice)."""
     decided_by: Union[str, dict[str, str], None] = None
     """A rule id that must decide a field (or fire its advice), or field -> rule id / `pin:<name>` / `default`."""
-    not_decided_by: list[str] = Field(default_factory=list)
+    not_decided_by: list[str] = Field(default_factory=new_list)
     """Rule ids that must not decide any field (nor fire their advice)."""
-    warnings: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=new_list)
     """Substrings each of which some warning must contain."""
-    alternatives: list[str] = Field(default_factory=list)
+    alternatives: list[str] = Field(default_factory=new_list)
     """Substrings each of which some alternative (advice) must contain."""
     error: str | None = None
     """The evaluation must fail with an error containing this text (e.g. a pin a constraint forbids)."""
@@ -101,9 +102,9 @@ class PolicyTestFile(_Strict):
     """Schema version."""
     policy: str | None = None
     """Policy under test: a path relative to this file or `builtin:NAME`; default: `X.yaml` for `X_test.yaml`."""
-    fixtures: dict[str, Fixture] = Field(default_factory=dict)
+    fixtures: dict[str, Fixture] = Field(default_factory=new_dict)
     """Named inputs."""
-    cases: list[Case] = Field(default_factory=list)
+    cases: list[Case] = Field(default_factory=new_list)
     """Test cases."""
 
     @field_validator("cases")

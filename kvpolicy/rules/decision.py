@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpolicy import new_list
 from kvpolicy.facts.estimates import Estimates
 from kvpolicy.inputs.policy_schema import ScaleSource, TwoLevel
 from kvpolicy.inputs.workload import Workload
@@ -25,7 +26,7 @@ class Decision(_Model):
 
     kv_cache_dtype: str = "auto"
     """KV-cache dtype as vLLM spells it (`auto` keeps the model dtype, BF16)."""
-    skip_layers: list[str] = Field(default_factory=list)
+    skip_layers: list[str] = Field(default_factory=new_list)
     """Layers kept in BF16: `sliding_window` or layer indices as strings."""
     two_level_accumulation: TwoLevel = "not_applicable"
     """FP8 P.V accumulated tile by tile into FP32 registers (Hopper); n/a elsewhere."""
@@ -46,11 +47,11 @@ class RuleOutcome(_Model):
     """Whether its condition held."""
     reason: str
     """The condition's evaluation, e.g. `workload.context_tokens (32768) >= break_even (7659)`."""
-    decided: list[str] = Field(default_factory=list)
+    decided: list[str] = Field(default_factory=new_list)
     """Fields this rule set."""
-    overridden: list[str] = Field(default_factory=list)
+    overridden: list[str] = Field(default_factory=new_list)
     """Fields it would set but an earlier rule (or a pin) had already decided."""
-    evidence: list[str] = Field(default_factory=list)
+    evidence: list[str] = Field(default_factory=new_list)
     """Evidence ids it cites."""
 
 
@@ -61,7 +62,7 @@ class FieldTrace(_Model):
     """Final value."""
     decided_by: str
     """Rule id, `pin:<name>`, `constraint:<name>`, `checkpoint` (scales the checkpoint declares) or `default`."""
-    losers: list[str] = Field(default_factory=list)
+    losers: list[str] = Field(default_factory=new_list)
     """Rules that matched and wanted another value."""
 
 
@@ -108,12 +109,12 @@ class Recommendation(_Model):
     """Predicted effects."""
     warnings: list[str]
     """What the user must know or do (custom builds, calibration, accuracy caveats)."""
-    blockers: list[str] = Field(default_factory=list)
+    blockers: list[str] = Field(default_factory=new_list)
     """Why vLLM would stop at start-up with `vllm_args` (weights or one request at the context do not fit,
     modelled), each with the smallest TP that fits; empty when it starts. The CLI exits 1 while any remain."""
-    alternatives: list[str] = Field(default_factory=list)
+    alternatives: list[str] = Field(default_factory=new_list)
     """Options considered and why they were not chosen."""
-    unsupported: list[str] = Field(default_factory=list)
+    unsupported: list[str] = Field(default_factory=new_list)
     """What stock vLLM 0.33 would refuse or cannot carry out of this decision (`check --strict` and
     `apply --strict` refuse it)."""
     evidence: list[EvidenceRef]

@@ -143,14 +143,19 @@ def compile_condition(cond: Condition | None, policy: Policy) -> Check:
             other = label = value.fact
             resolve = lambda facts: facts.get(other)
         else:
-            label, const = "", value
-            resolve = lambda facts: const
+            const, head, tail = value, f"{fact} (", f") {sym} {value!r}"
+
+            def check_const(facts: dict[str, Any]) -> tuple[bool, str]:
+                # The common case: the constant's text is built once, not on every evaluation.
+                left = facts.get(fact)
+                ok = cmp(left, const)
+                return ok, head + repr(left) + (tail if ok else tail + " is false")
+            return check_const
 
         def check(facts: dict[str, Any]) -> tuple[bool, str]:
             left, right = facts.get(fact), resolve(facts)
             ok = cmp(left, right)
-            rhs = f"{label} ({right!r})" if label else repr(right)
-            return ok, f"{fact} ({left!r}) {sym} {rhs}" + ("" if ok else " is false")
+            return ok, f"{fact} ({left!r}) {sym} {label} ({right!r})" + ("" if ok else " is false")
         return check
     if isinstance(cond, AllOf):
         subs = [compile_condition(c, policy) for c in cond.all]

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpolicy import new_dict, new_list
 from kvpolicy.rules.decision import Decision
 
 
@@ -44,7 +45,7 @@ class VariantInfo(_Model):
     """Evidence key: bf16, fp8, fp8_skip_sliding, turboquant_*."""
     kv_cache_dtype: str
     """vLLM `--kv-cache-dtype`."""
-    skip_layers: list[str] = Field(default_factory=list)
+    skip_layers: list[str] = Field(default_factory=new_list)
     """Layers kept BF16."""
     two_level: bool = True
     """FP8 two-level accumulation switch."""
@@ -54,7 +55,7 @@ class VariantInfo(_Model):
     """Page order of its BF16/FP8 caches (HND where vLLM's backend keeps heads contiguous per page)."""
     kv_bytes_per_token: int = 0
     """KV bytes per token over all layers (the KV-bytes formula)."""
-    layer_paths: dict[str, list[int]] = Field(default_factory=dict)
+    layer_paths: dict[str, list[int]] = Field(default_factory=new_dict)
     """Layer indices per path: triton, gluon (FP8 and TurboQuant layers on Hopper), reference, none (linear)."""
 
 
@@ -90,7 +91,7 @@ class BenchFit(_Model):
     """Slope over BF16's (None for BF16)."""
     break_even_tokens: float | None = None
     """Context above which the variant beats BF16: intercept difference / slope difference (None: never)."""
-    problems: list[str] = Field(default_factory=list)
+    problems: list[str] = Field(default_factory=new_list)
     """Why this line means nothing (too few contexts, poor r2, negative intercept); empty for a usable fit."""
 
 
@@ -121,11 +122,11 @@ class BenchResult(_Model):
     """Batch sizes measured."""
     variants: list[VariantInfo]
     """Variants measured, BF16 first."""
-    points: list[BenchPoint] = Field(default_factory=list)
+    points: list[BenchPoint] = Field(default_factory=new_list)
     """Every timed point."""
-    fits: list[BenchFit] = Field(default_factory=list)
+    fits: list[BenchFit] = Field(default_factory=new_list)
     """Fitted lines per variant and batch."""
-    warnings: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=new_list)
     """What the reader must know about these numbers."""
 
 

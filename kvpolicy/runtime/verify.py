@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 from pydantic import Field
 
+from kvpolicy import new_dict, new_list
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
 from kvpolicy.rules.decision import Decision
@@ -184,33 +185,33 @@ class VerifyResult(_Model):
     """The decision verified (at the longest context)."""
     accuracy_floor: float = 0.95
     """Recovery below this fails (the workload's floor)."""
-    geometry: dict[str, int | str] = Field(default_factory=dict)
+    geometry: dict[str, int | str] = Field(default_factory=new_dict)
     """First layer tested (the full-attention one): index, kind, query heads, KV heads, head dim."""
-    geometries: list[dict[str, int | str]] = Field(default_factory=list)
+    geometries: list[dict[str, int | str]] = Field(default_factory=new_list)
     """Every distinct layer geometry tested (full, sliding, per-layer-type heads), with its label."""
     trials_per_context: int = 0
     """Needle trials per context and geometry the run aimed at (sequences x query heads)."""
     method: str = ""
     """The needle test in one sentence."""
-    contexts: list[int] = Field(default_factory=list)
+    contexts: list[int] = Field(default_factory=new_list)
     """Contexts measured."""
     batch: int = 1
     """Sequences per context (on the first geometry)."""
-    points: list[NeedlePoint] = Field(default_factory=list)
+    points: list[NeedlePoint] = Field(default_factory=new_list)
     """Per variant, geometry and context."""
-    verdicts: list[VariantVerdict] = Field(default_factory=list)
+    verdicts: list[VariantVerdict] = Field(default_factory=new_list)
     """Per candidate variant."""
-    model_check: list[ModelCheck] = Field(default_factory=list)
+    model_check: list[ModelCheck] = Field(default_factory=new_list)
     """Model-level check, when it ran."""
     model_check_note: str = ""
     """Why the model-level check did or did not run."""
     model_thresholds: ModelThresholds | None = None
     """What the model-level figures were judged against (when they decided)."""
-    retrieval: list[RetrievalPoint] = Field(default_factory=list)
+    retrieval: list[RetrievalPoint] = Field(default_factory=new_list)
     """Model-level retrieval in real text, per variant and context, when it ran."""
     retrieval_note: str = ""
     """How the retrieval prompts were built, or why it did not run."""
-    warnings: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=new_list)
     """What the reader must know."""
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from kvpolicy import new_list
 from kvpolicy.errors import InputError, did_you_mean
 from kvpolicy.inputs.workload import Priority, Workload
 
@@ -110,7 +111,7 @@ class ErrorBody(_Body):
     """What is wrong, where, and how to fix it."""
     location: str | None = None
     """The first offending field (`concurrency`, `deployments[0].gpu`), `body`, or null."""
-    errors: list[FieldError] = Field(default_factory=list)
+    errors: list[FieldError] = Field(default_factory=new_list)
     """Every problem found (validation errors)."""
     policy: str
     """Policy name and content hash (`name@hash`) that answered."""
@@ -134,7 +135,7 @@ class CheckResult(_Body):
     """Deployment name."""
     status: Literal["ok", "violation", "error"]
     """ok; violation (evaluated, but breaks a check such as capacity or the accuracy floor); error (not evaluated)."""
-    violations: list[str] = Field(default_factory=list)
+    violations: list[str] = Field(default_factory=new_list)
     """What the deployment breaks and how to fix it."""
     error: CheckError | None = None
     """Why it could not be evaluated (status error)."""

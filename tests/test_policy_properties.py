@@ -10,10 +10,11 @@ import json
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.errors import KvPolicyError
+from kvpolicy.errors import InputError, KvPolicyError
 from kvpolicy.facts.build import FACTS
 from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.catalog import load_gpus, load_models, resolve_gpu, resolve_model
@@ -177,3 +178,9 @@ def test_engine_on_arbitrary_facts(facts):
         return
     b = decide(BUILTIN.policy, facts)
     assert a.decision == b.decision and a.trace == b.trace
+
+
+def test_a_head_size_fact_that_is_no_number_is_an_input_error():
+    """A policy test case may write any facts: a head size that is not a number is named, not a traceback."""
+    with pytest.raises(InputError, match="model.head_dim"):
+        decide(BUILTIN.policy, {"model.attention": False, "model.head_dim": False})

@@ -135,7 +135,14 @@ class AttentionShape:
     @classmethod
     def from_facts(cls, facts: dict[str, Any]) -> AttentionShape:
         """The same, from the facts `build_facts` wrote (`model.*`)."""
-        sizes = tuple(int(s) for s in str(facts.get("model.head_sizes") or facts.get("model.head_dim")).split(","))
+        raw = facts.get("model.head_sizes") or facts.get("model.head_dim")
+        parts = str(raw).split(",") if not isinstance(raw, bool) else []
+        if not parts or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            from kvpolicy.errors import InputError
+
+            raise InputError(f"fact model.head_sizes / model.head_dim is {raw!r}: expected a head size such as 128 "
+                             "(or sizes such as 128,64).")
+        sizes = tuple(int(p) for p in parts)
         kind: BackendKind = ("sparse_mla" if facts.get("model.sparse_mla") else
                              "mla" if facts.get("model.attention") == "mla" else "standard")
         return cls(kind=kind, head_sizes=sizes, sinks=bool(facts.get("model.has_attention_sinks")),

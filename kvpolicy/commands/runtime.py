@@ -185,11 +185,11 @@ def run(args: argparse.Namespace) -> int:
         _check_record_target(args.command, device, backend, gpu, model_level)
     compare = [c for item in args.compare for c in item.split(",")]
     out_dir = Path(args.out)
-    from kvpolicy.kernels.guards import unchecked
+    from kvpolicy.runtime.ops import trusted_indices
 
     # The runtime builds every block table and slot itself: the kernels' range checks would add a host sync
     # to each eager call and time it.
-    with unchecked():
+    with trusted_indices():
         if args.command == "bench":
             return _bench(args, arch, gpu, loaded, rec, contexts, compare, device, backend, out_dir)
         return _verify(args, arch, gpu, loaded, rec, contexts, compare, device, backend, out_dir)

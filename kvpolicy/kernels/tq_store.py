@@ -1,14 +1,11 @@
 """Store kernel: quantize new tokens' K/V and pack them into a paged TurboQuant cache.
 
-One program codes the keys of BLOCK_T tokens of one KV head, another their values: it rotates the keys by the
-shared Hadamard matrix, exactly up to fp32 sums (so the codes match the float64
-reference except at exact ties): the matrix is +-1 / sqrt(D), and each fp32 key
-splits exactly into three bf16 pieces whose products with +-1 are exact, so
-three bf16 tensor-core products with fp32 accumulation give the fp32 dot. (An
-IEEE fp32 `tl.dot` does the same on the CUDA cores, and took ~70 us per call on
-an H100, one token or sixteen: the whole decode step's cost.) Then it picks the Lloyd-Max code of every
-coordinate, folds the norm correction into the stored fp16 norm, codes the
-values per vector, and writes whole slots. Layouts are in `formats.py`.
+One program codes the keys of BLOCK_T tokens of one KV head, another their values. The keys are rotated by the
+shared randomised Hadamard matrix Pi = H diag(sigma) / sqrt(D) as a Walsh-Hadamard transform in registers (fp32
+butterflies: the codes match the float64 reference except at ties within rounding; no matrix is read, and a
+decode step's single token is one program of one row, where a tensor-core product needs 16). Then it picks the
+Lloyd-Max code of every coordinate, folds the norm correction into the stored fp16 norm, codes the values per
+vector, and writes whole slots. Layouts are in `formats.py`.
 K/V are saturated to the fp16 range first, and the stored norm too, so that finite
 input never stores an infinite norm, scale or zero point (one inf poisons every
 score or value of the head it lands in).
@@ -24,7 +21,6 @@ from kvpolicy.kernels.reductions import rmax, rmin, rsum
 from kvpolicy.kernels.formats import F16_MAX, FP8_E4M3_MAX, tq_layout
 from kvpolicy.kernels.formats import PAGE as PLANAR_PAGE
 from kvpolicy.kernels.guards import check_slots
-from kvpolicy.kernels.launch import interpreting
 from kvpolicy.kernels.turboquant import kernel_tables
 
 _F16_MAX = tl.constexpr(F16_MAX)
@@ -64,7 +60,7 @@ def _store_kv_tq_kernel(
     PLANAR: tl.constexpr, PAGE: tl.constexpr, NUM_KV: tl.constexpr,
     # tiling
     BLOCK_T: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    LOG_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
@@ -86,44 +82,84 @@ def _store_kv_tq_kernel(
 
     if part == 0:
         _store_keys(k_row, cache_u8_ptr, cache_f16_ptr, rot_ptr, bnd_ptr, cb_ptr, rot_scale, base, dest, valid, cols,
-                    HEAD_DIM, KEY_BITS, KNORM_OFF, FP8_MAX, PLANAR, BLOCK_T, INTERPRET)
+                    HEAD_DIM, KEY_BITS, KNORM_OFF, FP8_MAX, PLANAR, BLOCK_T, LOG_D)
     else:
         _store_values(v_row, cache_u8_ptr, cache_f16_ptr, base, dest, valid, cols, HEAD_DIM, V_BITS, V_OFF,
                       VSCALE_OFF, VZERO_OFF, PLANAR, BLOCK_T)
 
 
 @triton.jit
+def _signed_chunk(k_row, rot_ptr, c: tl.constexpr, cols_c, valid, HEAD_DIM: tl.constexpr, C: tl.constexpr):
+    """sigma * k over coordinates c*C .. c*C+C-1 (saturated to fp16's range), and its squared norm per token.
+    sigma_j is column 0 of Pi^T sqrt(D) = diag(sigma) H^T (H's first row is all ones)."""
+    k = tl.load(k_row + (c * C + cols_c)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    k = tl.minimum(tl.maximum(k, -_F16_MAX), _F16_MAX)
+    sigma = tl.load(rot_ptr + (c * C + cols_c) * HEAD_DIM).to(tl.float32)
+    return k * sigma[None, :], rsum(k * k, axis=1)
+
+
+@triton.jit
+def _fwht(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+    """Unnormalised Walsh-Hadamard transform (Sylvester order) of each row of x [ROWS, N]: butterflies of
+    distance 1, 2, 4, ... as reshapes, so no matrix is read and any number of rows works."""
+    for s in tl.static_range(LOG_N):
+        y = tl.permute(tl.reshape(x, [ROWS * (N >> (s + 1)), 2, 1 << s]), (0, 2, 1))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [ROWS, N])
+    return x
+
+
+@triton.jit
 def _store_keys(k_row, cache_u8_ptr, cache_f16_ptr, rot_ptr, bnd_ptr, cb_ptr, rot_scale, base, dest, valid, cols,
                 HEAD_DIM: tl.constexpr, KEY_BITS: tl.constexpr, KNORM_OFF: tl.constexpr, FP8_MAX: tl.constexpr,
-                PLANAR: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
-    k = tl.load(k_row + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                PLANAR: tl.constexpr, BLOCK_T: tl.constexpr, LOG_D: tl.constexpr):
     if KEY_BITS == 8:
+        k = tl.load(k_row + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)  # saturate like vLLM's satfinite cast
         kb = k.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         tl.store(cache_u8_ptr + _at(base, dest, cols, valid, PLANAR), kb, mask=valid[:, None])
     else:
         NCH: tl.constexpr = 2 if KEY_BITS == 4 else 4
         C: tl.constexpr = HEAD_DIM // NCH
+        LOG_C: tl.constexpr = LOG_D - 1 if KEY_BITS == 4 else LOG_D - 2
         E: tl.constexpr = HEAD_DIM // 8
         HALF: tl.constexpr = 2 ** (KEY_BITS - 1)
-        k = tl.minimum(tl.maximum(k, -_F16_MAX), _F16_MAX)
-        knorm = tl.sqrt(rsum(k * k, axis=1))
-        inv = tl.where(knorm > 0, 1.0 / tl.where(knorm > 0, knorm, 1.0), 0.0)
         cols_c = tl.arange(0, C)
+        # Pi k = H (sigma * k) / sqrt(D): each chunk's Walsh-Hadamard transform in registers, then the last one or
+        # two butterfly stages across chunks give the rotated chunks (fp32 sums, as the reference's up to rounding)
+        x0, n0 = _signed_chunk(k_row, rot_ptr, 0, cols_c, valid, HEAD_DIM, C)
+        x1, n1 = _signed_chunk(k_row, rot_ptr, 1, cols_c, valid, HEAD_DIM, C)
+        a0 = _fwht(x0, BLOCK_T, C, LOG_C)
+        a1 = _fwht(x1, BLOCK_T, C, LOG_C)
+        if NCH == 2:
+            knorm = tl.sqrt(n0 + n1)
+            u0 = a0 + a1
+            u1 = a0 - a1
+            u2 = u0
+            u3 = u1
+        else:
+            x2, n2 = _signed_chunk(k_row, rot_ptr, 2, cols_c, valid, HEAD_DIM, C)
+            x3, n3 = _signed_chunk(k_row, rot_ptr, 3, cols_c, valid, HEAD_DIM, C)
+            a2 = _fwht(x2, BLOCK_T, C, LOG_C)
+            a3 = _fwht(x3, BLOCK_T, C, LOG_C)
+            knorm = tl.sqrt(n0 + n1 + n2 + n3)
+            u0 = (a0 + a1) + (a2 + a3)
+            u1 = (a0 - a1) + (a2 - a3)
+            u2 = (a0 + a1) - (a2 + a3)
+            u3 = (a0 - a1) - (a2 - a3)
+        inv = tl.where(knorm > 0, 1.0 / tl.where(knorm > 0, knorm, 1.0), 0.0)
         csq = tl.full([BLOCK_T], 0, dtype=tl.float32)
         packed = tl.full([BLOCK_T, C], 0, dtype=tl.int32)  # 4-bit codes, or the 2-bit plane
         plane1 = tl.full([BLOCK_T, E], 0, dtype=tl.int32)
-        # k = k_hi + k_mid + k_lo exactly (8 significand bits each); tf32 would move coordinates by ~1e-3
-        k_hi = k.to(tl.bfloat16).to(tl.float32)
-        k_mid = (k - k_hi).to(tl.bfloat16).to(tl.float32)
-        k_lo = k - k_hi - k_mid
-        OP: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is wrong
         for c in tl.static_range(NCH):
-            # the signs of Pi^T sqrt(D), exact in bf16
-            r = tl.load(rot_ptr + cols[:, None] * HEAD_DIM + (c * C + cols_c)[None, :]).to(OP)
-            u = tl.dot(k_hi.to(OP), r)
-            u = tl.dot(k_mid.to(OP), r, u)
-            u = tl.dot(k_lo.to(OP), r, u)
+            if c == 0:
+                u = u0
+            elif c == 1:
+                u = u1
+            elif c == 2:
+                u = u2
+            else:
+                u = u3
             u = u * (inv * rot_scale)[:, None]
             idx = tl.full([BLOCK_T, C], 0, dtype=tl.int32)
             for lvl in tl.static_range(2**KEY_BITS - 1):
@@ -193,7 +229,7 @@ def _store_values(v_row, cache_u8_ptr, cache_f16_ptr, base, dest, valid, cols, H
 
 def store_kv_tq(
     key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, fmt: str,
-    *, block_t: int = 16, num_warps: int = 4,
+    *, block_t: int | None = None, num_warps: int = 4,
 ) -> None:
     """Quantize K/V [num_tokens, num_kv_heads, head_dim] and write them into `cache` at `slot_mapping`.
 
@@ -222,8 +258,10 @@ def store_kv_tq(
         raise ValueError(f"slot_mapping must be int64 [{t}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key/value need a contiguous last dimension")
-    if block_t < 16 or block_t & (block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 16 (tl.dot), got {block_t}")
+    if block_t is None:  # one program per token and head for a decode step's single token
+        block_t = min(16, triton.next_power_of_2(max(t, 1)))
+    if block_t < 1 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two, got {block_t}")
     if t == 0:
         return
     check_slots(slot_mapping, cache.shape[0] * (PLANAR_PAGE if planar else cache.shape[1]))
@@ -236,5 +274,5 @@ def store_kv_tq(
         HEAD_DIM=d, SLOT=lay.slot_bytes, KEY_BITS=lay.key_bits, V_BITS=lay.value_bits,
         V_OFF=lay.val_off, KNORM_OFF=max(lay.knorm_off, 0), VSCALE_OFF=lay.vscale_off, VZERO_OFF=lay.vzero_off,
         FP8_MAX=FP8_E4M3_MAX, PLANAR=planar, PAGE=PLANAR_PAGE if planar else cache.shape[1], NUM_KV=h,
-        BLOCK_T=block_t, INTERPRET=interpreting(), num_warps=num_warps,
+        BLOCK_T=block_t, LOG_D=d.bit_length() - 1, num_warps=num_warps,
     )

@@ -149,10 +149,12 @@ def render_tests(files: list[Any], coverage: dict[str, dict[str, list[str]]], fm
             if cov["uncovered"]:
                 echo(f"coverage: {policy}: no case fired {', '.join(cov['uncovered'])}")
             elif cov["rules"]:
-                echo(f"coverage: {policy}: all {len(cov['rules'])} rules and pins it defines fired in some case")
+                n = len(cov["rules"])
+                echo(f"coverage: {policy}: " + ("the one rule or pin it defines" if n == 1 else
+                                                f"all {n} rules and pins it defines") + " fired in some case")
             else:
                 echo(f"coverage: {policy}: defines no rules or pins of its own (inherited ones are tested upstream)")
-    echo(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} errors, {counts['SKIPPED']} skipped")
+    echo(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} error{'s' * (counts['ERROR'] != 1)}, {counts['SKIPPED']} skipped")
     return counts
 
 

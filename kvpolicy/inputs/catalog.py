@@ -162,7 +162,7 @@ def resolve_gpu(spec: str, *, where: str = "--gpu") -> GpuSpec:
     """
     gpu, count = resolve_gpu_count(spec, where=where)
     if count is not None:
-        raise InputError(f"{where}: `{spec.strip()}` names {count} GPUs; name one GPU here, e.g. `{gpu.id}`.")
+        raise InputError(f"{where}: `{spec.strip()}` names {count} GPU{'s' * (count != 1)}; name one GPU here, e.g. `{gpu.id}`.")
     return gpu
 
 
@@ -176,7 +176,7 @@ def gpu_and_count(spec: str, count: int | None, *, where: str = "--gpu",
     if named is None:
         return gpu, 1 if count is None else count
     if count is not None and count != named:
-        raise InputError(f"{where} `{spec.strip()}` names {named} GPUs but {count_where} is {count}; give the count "
+        raise InputError(f"{where} `{spec.strip()}` names {named} GPU{'s' * (named != 1)} but {count_where} is {count}; give the count "
                          f"once: drop {count_where}, or name the GPU alone (`{gpu.id}`) and keep {count_where} {count}.")
     return gpu, named
 

@@ -263,6 +263,9 @@ def test_service_plan_is_the_cli_function():
     clash = client.post("/v1/plan", json={**body, "gpu": "2xh100", "gpus": 4})
     assert clash.status_code == 422 and clash.json()["location"] == "gpus"
     assert "names 2 GPUs but gpus is 4" in clash.json()["detail"]
+    # A count out of range is a bad field, not an unknown GPU.
+    huge = client.post("/v1/plan", json={**body, "gpu": "h100x2000"})
+    assert (huge.status_code, huge.json()["error"], huge.json()["location"]) == (422, "invalid_request", "gpu")
 
 
 def test_cli_gpu_count_is_the_gpus_unless_given(capsys):

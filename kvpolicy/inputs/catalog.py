@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpolicy import new_list
-from kvpolicy.errors import InputError
+from kvpolicy.errors import InputError, LimitError
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.datacache import builtin_data
 from kvpolicy.inputs.gpus import GpuSpec, detect_gpu_names
@@ -219,8 +219,8 @@ def resolve_gpu_count(spec: str, *, where: str = "--gpu") -> tuple[GpuSpec, int 
         if m and named is not None:
             count = int(m["n"])
             if not 1 <= count <= MAX_GPU_COUNT:
-                raise InputError(f"{where}: `{text}` names {count} GPUs; the count must be in 1..{MAX_GPU_COUNT}, "
-                                 f"e.g. `2x{m['name'].strip()}`.")
+                raise LimitError(f"{where}: `{text}` names {count} GPUs; the count must be in 1..{MAX_GPU_COUNT}, "
+                                 f"e.g. `2x{m['name'].strip()}`.", "gpu")
             return gpus[named], count
     # `2xh1OO`: the close matches of the name part.
     hint = next((h for h in (_suggest(_gpu_key(t), index) for t in [text, *parts] if t) if h), "")

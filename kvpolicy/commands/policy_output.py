@@ -207,7 +207,9 @@ def render_check(label: str, results: list[dict[str, Any]], fmt: str, strict: bo
             continue
         d, cap = r["decision"], r["capacity"]
         by = r["decided_by"]["kv_cache_dtype"]
-        echo(f"      {r['model']} on {r['gpu']}: kv_cache_dtype {d['kv_cache_dtype']} ({by})"
+        # The GPU count as recommend's title writes it, where the vllm serve line has --tensor-parallel-size.
+        gpus = f"{r['tp']} x {r['gpu']}" if r.get("tp", 1) > 1 else r["gpu"]
+        echo(f"      {r['model']} on {gpus}: kv_cache_dtype {d['kv_cache_dtype']} ({by})"
              f", skip {_value(d['skip_layers'])}, two-level {d['two_level_accumulation']}, scales {d['scale_source']}, "
              f"backend {d['attention_backend'] or 'vLLM default'}")
         fits = cap["max_concurrency"]

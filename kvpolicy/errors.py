@@ -48,9 +48,10 @@ def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
 
 
 class LimitError(InputError):
-    """A deployment vLLM itself refuses (context above the model's limit, a TP size the heads do not divide).
+    """A deployment vLLM itself refuses (context above the model's limit, a TP size the heads do not divide,
+    a GPU count out of range such as `0xh100`).
 
-    `field` names the input at fault (`context`, `tp`) so the HTTP service can point at it.
+    `field` names the input at fault (`context`, `tp`, `gpu`) so the HTTP service can point at it.
     """
 
     def __init__(self, message: str, field: str = "") -> None:

@@ -344,6 +344,13 @@ def test_the_count_in_the_name_is_the_tp_unless_tp_is_given():
     assert "--gpu `2xh100` names 2 GPUs but --tp is 4" in msg and "drop --tp" in msg
 
 
+def test_a_count_of_one_says_one_gpu():
+    with pytest.raises(InputError, match=r"--gpu `1xh100` names 1 GPU but --tp is 2"):
+        gpu_and_count("1xh100", 2)
+    with pytest.raises(InputError, match=r"^evidence: `1xh100` names 1 GPU; name one GPU here"):
+        resolve_gpu("1xh100", where="evidence")
+
+
 def test_a_count_is_refused_where_one_gpu_is_meant():
     with pytest.raises(InputError, match=r"^evidence: `2xh100` names 2 GPUs; name one GPU here, e\.g\. `h100-sxm`"):
         resolve_gpu("2xh100", where="evidence")

@@ -173,7 +173,10 @@ deployments:
 """)
     code, out, _ = run_cli(capsys, "check")
     assert code == 2 and "ok    pair" in out and "--tensor-parallel-size 2 " in out
+    assert "llama-3.3-70b on 2 x h100-sxm: kv_cache_dtype" in out  # the count the serve line gives vLLM
     assert "kvpolicy.yaml:4:5: deployment `clash`: gpu `2xh100` names 2 GPUs but tp is 4" in out
+    code, out, _ = run_cli(capsys, "check", "-d", "pair", "-f", "json")
+    assert code == 0 and json.loads(out)["results"][0]["report"]["tp"] == 2
     code, out, _ = run_cli(capsys, "explain", "-d", "pair", "-f", "json")
     assert code == 0 and json.loads(out)["workload"]["tp"] == 2
     code, out, _ = run_cli(capsys, "test", "kvpolicy_test.yaml")

@@ -287,6 +287,11 @@ def test_layer_types_length_must_match():
         make(**BASE, layer_types=["full_attention"] * 3)
 
 
+def test_one_listed_layer_is_one_layer():
+    with pytest.raises(InputError, match="lists 1 layer but num_hidden_layers is 8"):
+        make(**BASE, layer_types=["full_attention"])
+
+
 def test_unknown_layer_kind_is_named_with_the_known_ones():
     with pytest.raises(InputError, match=r"`layer_types\[1\]` is 'wobbly_attention'.*full_attention"):
         make(**BASE, layer_types=["full_attention", "wobbly_attention"] + ["full_attention"] * 6)

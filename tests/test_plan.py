@@ -263,6 +263,9 @@ def test_service_plan_is_the_cli_function():
     clash = client.post("/v1/plan", json={**body, "gpu": "2xh100", "gpus": 4})
     assert clash.status_code == 422 and clash.json()["location"] == "gpus"
     assert "names 2 GPUs but gpus is 4" in clash.json()["detail"]
+    # A count out of range is a bad field, not an unknown GPU.
+    huge = client.post("/v1/plan", json={**body, "gpu": "h100x2000"})
+    assert (huge.status_code, huge.json()["error"], huge.json()["location"]) == (422, "invalid_request", "gpu")
 
 
 def test_cli_gpu_count_is_the_gpus_unless_given(capsys):
@@ -292,3 +295,14 @@ def test_plan_models_are_documented():
 def test_json_has_no_infinities(capsys):
     assert main(["plan", "-m", "llama-3.1-8b", "-g", "h100", "-t", "isl=20k,osl=2k,rate=50/s", "-f", "json"]) == 0
     json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_counts_of_one_take_the_singular():
+    """One GPU, a burst of one request, one prefill chunk, one request in a block, one admitted request."""
+    o = option(run_plan("llama-3.1-8b", "h100", 1, "isl=8,osl=8,burst=1"), "fp8@tp1")
+    assert o.tokens_per_s_per_gpu.basis.endswith("x 1 replica / 1 GPU")
+    assert o.load_note.startswith("1 request in 1 wave of up to")
+    assert "+ 1 chunk step" in o.ttft.basis and "chunk steps" not in o.ttft.basis
+    assert "1 full group x 1 block of 16 tokens" in o.capacity_requests.basis
+    tight = option(run_plan("llama-3.1-70b", "h100", 2, "isl=60k,osl=1k,rate=100/s"), "fp8@tp2")
+    assert "is the most 1 admitted request completes;" in tight.load_note

@@ -114,8 +114,8 @@ def test_cli_table_shows_expected_got_and_the_deciding_rule(repo, capsys):
     assert "kv_cache_dtype: expected fp8, got auto (decided by KV106: workload.context_tokens (4096) <" in out
     assert "trace: kv_cache_dtype=auto by KV106" in out
     assert "ERROR   errors" in out and "SKIPPED todo_skipped" in out
-    assert "4 passed, 1 failed, 1 errors, 1 skipped" in out
-    assert "coverage: team.yaml: all 1 rules and pins it defines fired" in out
+    assert "4 passed, 1 failed, 1 error, 1 skipped" in out
+    assert "coverage: team.yaml: the one rule or pin it defines fired" in out
 
 
 def test_run_filter_json_and_github(repo, capsys):

@@ -226,3 +226,29 @@ def test_measured_line_that_never_crosses_bf16_keeps_bf16(tmp_path):
     assert r.trace.facts["latency.fp8_never_faster"] is True
     # Without the record, the studies' threshold applies and 128k is FP8.
     assert rec(load_policy(), "llama-3.1-8b", "h200", context="128k").decision.kv_cache_dtype == "fp8"
+
+
+def test_capacity_messages_say_1_request_not_1_requests(builtin):
+    short = rec(builtin, "llama-3.1-70b", "h100", context="32k", concurrency=8, tp=2)
+    assert "BF16 holds 1 request of 32,768 tokens, FP8 2; 8 requested." in short.warnings
+    assert any(a.startswith("Even FP8 holds only 2 requests of 32,768 tokens") for a in short.alternatives)
+    shorter = rec(builtin, "llama-3.1-70b", "h100", context="64k", concurrency=8, tp=2)
+    assert any(a.startswith("Even FP8 holds only 1 request of 65,536 tokens") for a in shorter.alternatives)
+
+
+def test_a_policy_template_names_a_count_with_its_noun(tmp_path):
+    from kvpolicy.policy.lint import lint_path
+
+    path = tmp_path / "kvpolicy.yaml"
+    path.write_text(
+        "version: 1\nname: team\nextends: builtin:default\nrules:\n"
+        "  - id: TEAM101\n    name: say-capacity\n    statement: s\n    evidence: [fp8-capacity]\n"
+        "    when: {fact: model.id, op: eq, value: llama-3.1-70b}\n"
+        "    advise: ['FP8: {memory.max_concurrency_fp8|query|queries}, BF16: {memory.max_concurrency_bf16|request}, "
+        "{workload.tp|GPU}, context {workload.context_tokens}.']\n")
+    assert [f for f in lint_path(path) if f.severity != "info"] == []
+    team = load_policy(str(path))
+    r = rec(team, "llama-3.1-70b", "h100", context="32k", concurrency=8, tp=2)
+    assert "FP8: 2 queries, BF16: 1 request, 2 GPUs, context 32,768." in r.alternatives
+    r = rec(team, "llama-3.1-70b", "h100", context="64k", concurrency=8, tp=1)
+    assert any(a.startswith("FP8: 0 queries, BF16: 0 requests, 1 GPU,") for a in r.alternatives)

@@ -212,3 +212,13 @@ def test_verify_of_a_bf16_decision_says_it_compares_bf16_with_itself(tmp_path, c
     assert "compares BF16 with itself" in err and "--compare fp8" in err
     result = json.loads(next(tmp_path.glob("verify-llama-3.1-8b-*.json")).read_text())
     assert result["verdicts"] == [] and any("--compare fp8" in w for w in result["warnings"])
+
+
+def test_verify_with_one_trial_says_trial(tmp_path, capsys):
+    pytest.importorskip("torch")
+    code = main(["verify", "--model", "llama-3.1-8b", "--gpu", "h100", "--device", "cpu", "--contexts", "256,512",
+                 "--trials", "1", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    printed = " ".join(out.split())
+    assert "; 1 trial per context" in printed and "1 trials" not in printed

@@ -273,6 +273,9 @@ def test_metrics(server):
     ("/v1/recommend", {"json": {**CHAT, "gpu": "h1000"}}, 404, "unknown_gpu", "gpu", "Did you mean"),
     ("/v1/recommend", {"json": {**CHAT, "gpu": "2xh100", "tp": 4}}, 422, "invalid_request", "tp",
      "names 2 GPUs but tp is 4"),
+    # A known GPU with a count out of range is a bad field, not an unknown GPU.
+    ("/v1/recommend", {"json": {**CHAT, "gpu": "0xh100"}}, 422, "invalid_request", "gpu",
+     "the count must be in 1..1024"),
     # Paths are never read: a config.json path is just an unknown name.
     ("/v1/recommend", {"json": {**CHAT, "model": "tests/fixtures/hf/gpt-oss-20b"}}, 404, "unknown_model", "model",
      "paths are not accepted"),

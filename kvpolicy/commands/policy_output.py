@@ -149,10 +149,12 @@ def render_tests(files: list[Any], coverage: dict[str, dict[str, list[str]]], fm
             if cov["uncovered"]:
                 echo(f"coverage: {policy}: no case fired {', '.join(cov['uncovered'])}")
             elif cov["rules"]:
-                echo(f"coverage: {policy}: all {len(cov['rules'])} rules and pins it defines fired in some case")
+                n = len(cov["rules"])
+                echo(f"coverage: {policy}: " + ("the one rule or pin it defines" if n == 1 else
+                                                f"all {n} rules and pins it defines") + " fired in some case")
             else:
                 echo(f"coverage: {policy}: defines no rules or pins of its own (inherited ones are tested upstream)")
-    echo(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} errors, {counts['SKIPPED']} skipped")
+    echo(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} error{'s' * (counts['ERROR'] != 1)}, {counts['SKIPPED']} skipped")
     return counts
 
 
@@ -205,7 +207,9 @@ def render_check(label: str, results: list[dict[str, Any]], fmt: str, strict: bo
             continue
         d, cap = r["decision"], r["capacity"]
         by = r["decided_by"]["kv_cache_dtype"]
-        echo(f"      {r['model']} on {r['gpu']}: kv_cache_dtype {d['kv_cache_dtype']} ({by})"
+        # The GPU count as recommend's title writes it, where the vllm serve line has --tensor-parallel-size.
+        gpus = f"{r['tp']} x {r['gpu']}" if r.get("tp", 1) > 1 else r["gpu"]
+        echo(f"      {r['model']} on {gpus}: kv_cache_dtype {d['kv_cache_dtype']} ({by})"
              f", skip {_value(d['skip_layers'])}, two-level {d['two_level_accumulation']}, scales {d['scale_source']}, "
              f"backend {d['attention_backend'] or 'vLLM default'}")
         fits = cap["max_concurrency"]

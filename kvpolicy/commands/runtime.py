@@ -477,8 +477,9 @@ def _print_verify(result: Any) -> None:
     geo_text = "; ".join(labels) if labels != [""] else (
         f"layer {g['layer']} ({g['kind']}, {g['num_q_heads']} query heads, {g['num_kv_heads']} KV heads, "
         f"head_dim {g['head_dim']})")
+    trials = result.trials_per_context or result.batch
     console.print(f"[bold]{result.model}[/] needle test on [bold]{env.device}[/] ({env.backend}): {geo_text}; "
-                  f"{result.trials_per_context or result.batch} trials per context")
+                  f"{trials} trial{'s' * (trials != 1)} per context")
     for label in labels:
         points = [p for p in result.points if p.geometry == label or label == ""]
         contexts = sorted({p.context_tokens for p in points})

@@ -418,7 +418,7 @@ class KvPlan:
             parts[k] = parts.get(k, 0) + 1
         out = []
         for (kind, slots, bs, bpr), n in parts.items():
-            out.append(f"{n} {kind} group{'s' if n > 1 else ''} x {bpr} blocks of {bs} tokens")
+            out.append(f"{n} {kind} group{'s' if n > 1 else ''} x {bpr} block{'s' * (bpr != 1)} of {bs} tokens")
         pad = f", {self.padding_layers} padding layers" if self.padding_layers else ""
         return "; ".join(out) + pad
 

@@ -298,8 +298,10 @@ def open_loop(r: Replica, rate: float) -> LoadResult:
     full = r.operate(r.capacity)
     if rate >= full.rate:
         return LoadResult(math.inf, full.tpot_s, full.rate, r.capacity, math.inf, True,
-                          f"saturated: {rate:.3g} requests/s arrive, {full.rate:.3g}/s is the most {r.capacity} "
-                          "admitted requests complete; the queue grows without bound")
+                          f"saturated: {rate:.3g} requests/s arrive, {full.rate:.3g}/s is the most "
+                          + ("1 admitted request completes" if r.capacity == 1
+                             else f"{r.capacity} admitted requests complete")
+                          + "; the queue grows without bound")
     lo, hi = 0.0, float(r.capacity)
     for _ in range(60):  # lambda(n) rises with n: bisect for lambda(n) = rate (Little: n = rate x R)
         mid = (lo + hi) / 2
@@ -334,7 +336,7 @@ def burst(r: Replica, size: int, rate: float | None = None) -> LoadResult:
         t += prefill_phase + decode_phase
         left -= n
         waves += 1
-    note = (f"{size} requests in {waves} wave{'s' if waves > 1 else ''} of up to {r.capacity} "
+    note = (f"{size} request{'s' * (size != 1)} in {waves} wave{'s' if waves > 1 else ''} of up to {r.capacity} "
             f"(KV room); served in {t:.1f} s")
     saturated = False
     if rate is not None and t > size / rate:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpolicy import new_list
-from kvpolicy.errors import InputError
+from kvpolicy.errors import InputError, LimitError
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.datacache import builtin_data
 from kvpolicy.inputs.gpus import GpuSpec, detect_gpu_names
@@ -162,7 +162,7 @@ def resolve_gpu(spec: str, *, where: str = "--gpu") -> GpuSpec:
     """
     gpu, count = resolve_gpu_count(spec, where=where)
     if count is not None:
-        raise InputError(f"{where}: `{spec.strip()}` names {count} GPUs; name one GPU here, e.g. `{gpu.id}`.")
+        raise InputError(f"{where}: `{spec.strip()}` names {count} GPU{'s' * (count != 1)}; name one GPU here, e.g. `{gpu.id}`.")
     return gpu
 
 
@@ -176,7 +176,7 @@ def gpu_and_count(spec: str, count: int | None, *, where: str = "--gpu",
     if named is None:
         return gpu, 1 if count is None else count
     if count is not None and count != named:
-        raise InputError(f"{where} `{spec.strip()}` names {named} GPUs but {count_where} is {count}; give the count "
+        raise InputError(f"{where} `{spec.strip()}` names {named} GPU{'s' * (named != 1)} but {count_where} is {count}; give the count "
                          f"once: drop {count_where}, or name the GPU alone (`{gpu.id}`) and keep {count_where} {count}.")
     return gpu, named
 
@@ -219,8 +219,8 @@ def resolve_gpu_count(spec: str, *, where: str = "--gpu") -> tuple[GpuSpec, int 
         if m and named is not None:
             count = int(m["n"])
             if not 1 <= count <= MAX_GPU_COUNT:
-                raise InputError(f"{where}: `{text}` names {count} GPUs; the count must be in 1..{MAX_GPU_COUNT}, "
-                                 f"e.g. `2x{m['name'].strip()}`.")
+                raise LimitError(f"{where}: `{text}` names {count} GPUs; the count must be in 1..{MAX_GPU_COUNT}, "
+                                 f"e.g. `2x{m['name'].strip()}`.", "gpu")
             return gpus[named], count
     # `2xh1OO`: the close matches of the name part.
     hint = next((h for h in (_suggest(_gpu_key(t), index) for t in [text, *parts] if t) if h), "")

@@ -193,9 +193,11 @@ class Rule(_Strict):
     then: DecisionPatch = Field(default_factory=lambda: DecisionPatch())
     """Fields set when the condition holds; empty for advice rules."""
     warn: list[str] = Field(default_factory=new_list)
-    """Messages shown when this rule decides a field; `{fact.path}` placeholders are filled in."""
+    """Messages shown when this rule decides a field; `{fact.path}` placeholders are filled in, and
+    `{fact.path|request}` adds a noun, plural unless the value is 1 (`{fact.path|query|queries}` names the plural)."""
     advise: list[str] = Field(default_factory=new_list)
-    """Advice listed under alternatives when the condition holds (evaluated after every field is decided)."""
+    """Advice listed under alternatives when the condition holds (evaluated after every field is decided);
+    placeholders as in `warn`."""
     evidence: list[str] = Field(default_factory=new_list)
     """Evidence ids backing the rule."""
     enabled: bool = True

@@ -148,4 +148,4 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
             "capacity": {"max_concurrency": est.max_concurrency.value, "concurrency": wl.concurrency,
                          "kv_capacity_tokens": est.kv_capacity_tokens.value,
                          "capacity_vs_bf16": est.capacity_vs_bf16.value},
-            "accuracy_recovery": recovery, "model": rec.model, "gpu": rec.gpu, "policy": rec.policy}
+            "accuracy_recovery": recovery, "model": rec.model, "gpu": rec.gpu, "tp": wl.tp, "policy": rec.policy}

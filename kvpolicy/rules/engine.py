@@ -35,7 +35,8 @@ from kvpolicy.rules.decision import Decision
 
 _SYMBOL = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "in": "in",
            "not_in": "not in", "glob": "matches", "exists": "exists"}
-_PLACEHOLDER = re.compile(r"\{([a-z_]+(?:\.[a-z0-9_]+)+)\}")
+_PLACEHOLDER = re.compile(r"\{([a-z_]+(?:\.[a-z0-9_]+)+)(?:\|([^{}|]+)(?:\|([^{}|]+))?)?\}")
+"""`{fact.path}`, or `{fact.path|noun}` / `{fact.path|noun|plural}`: the value and the noun, singular for 1."""
 
 
 @dataclass
@@ -246,14 +247,20 @@ def _decision_fact(field_name: str, value: Any, facts: dict[str, Any]) -> dict[s
 
 
 def fill(template: str, facts: dict[str, Any]) -> str:
-    """Replace `{fact.path}` placeholders with fact values (nothing else is interpreted)."""
+    """Replace `{fact.path}` placeholders with fact values (nothing else is interpreted).
+
+    `{fact.path|request}` gives "1 request" / "3 requests"; `{fact.path|query|queries}` names the plural.
+    """
     def sub(m: re.Match[str]) -> str:
         v = facts.get(m.group(1))
         if isinstance(v, float) and v.is_integer():
             v = int(v)
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 10000:
-            return f"{v:,}"
-        return str(v)
+        text = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) and v >= 10000 else str(v)
+        noun = m.group(2)
+        if noun is None:
+            return text
+        one = isinstance(v, int) and not isinstance(v, bool) and v == 1
+        return f"{text} {noun if one else m.group(3) or noun + 's'}"
 
     return _PLACEHOLDER.sub(sub, template)
 

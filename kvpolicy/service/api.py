@@ -141,7 +141,7 @@ class CheckResult(_Body):
     """Why it could not be evaluated (status error)."""
     report: dict[str, Any] | None = None
     """What `kvpolicy check` reports for it: decision, vllm_args, decided_by, capacity, accuracy_recovery,
-    warnings, model, gpu, policy (null when it could not be evaluated)."""
+    warnings, model, gpu, tp (tensor-parallel size), policy (null when it could not be evaluated)."""
 
 
 class CheckResponse(_Body):

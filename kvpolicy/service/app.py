@@ -87,14 +87,16 @@ def resolve(req: RecommendRequest | PlanRequest, count_field: str = "tp") -> tup
     """Model, GPU and GPU count from the catalogs only (never a file, never nvidia-smi); unknown names are 404s.
 
     The count is `count_field` (`tp`, or `gpus` for a plan), or the one in `gpu` (`2xh100`) when the body
-    leaves that field out; the two disagreeing is a 422.
+    leaves that field out; the two disagreeing, or a count in `gpu` out of range (`0xh100`), is a 422.
     """
     try:
         arch = resolve_model(req.model, where="model", allow_paths=False)
     except InputError as exc:
         raise ServiceError(404, "unknown_model", str(exc), "model") from None
     try:
-        resolve_gpu_count(req.gpu, where="gpu")  # an unknown name is a 404, a count that disagrees a 422
+        resolve_gpu_count(req.gpu, where="gpu")  # an unknown name is a 404, a count out of range a 422
+    except LimitError as exc:
+        raise ServiceError(422, "invalid_request", str(exc), exc.field or "gpu") from None
     except InputError as exc:
         raise ServiceError(404, "unknown_gpu", str(exc), "gpu") from None
     given = getattr(req, count_field) if count_field in req.model_fields_set else None

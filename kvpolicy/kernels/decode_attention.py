@@ -525,6 +525,26 @@ def _check_inputs(
             raise ValueError(f"{name}: on {t.device}, query is on {query.device}")
 
 
+def _check_options(query: torch.Tensor, sinks: torch.Tensor | None, sliding_window: int | None,
+                   sm_scale: float | None, num_splits: int | None, out: torch.Tensor | None) -> torch.Tensor:
+    """ValueError for a bad option shared by the decode entry points; returns `out`, or a new tensor like `query`."""
+    batch, num_q_heads, _ = query.shape
+    device = query.device
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,) or sinks.device != device):
+        raise ValueError(f"sinks: expected float32 [{num_q_heads}] on {device}, got {sinks.dtype} {tuple(sinks.shape)}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive number of positions, got {sliding_window}")
+    if sm_scale is not None and not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be finite and positive, got {sm_scale}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if out is None:
+        return torch.empty_like(query)
+    if out.shape != query.shape or out.dtype not in (query.dtype, torch.float32) or out.stride(-1) != 1 or out.device != device:
+        raise ValueError(f"out: expected {tuple(query.shape)} of {query.dtype} or float32 on {device}, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
 def _gluon_refusal(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, fp8_query: bool,
                    config: DecodeConfig | None) -> str:
     """Why the Gluon kernel cannot take this call ("" when it can)."""
@@ -591,24 +611,13 @@ def decode_attention(
         raise ValueError("fp8_query needs an FP8 cache; the bfloat16 path multiplies in bf16")
     k_stride = check_scale(k_scale, "k_scale", num_kv_heads, device)
     v_stride = check_scale(v_scale, "v_scale", num_kv_heads, device)
-    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,) or sinks.device != device):
-        raise ValueError(f"sinks: expected float32 [{num_q_heads}] on {device}, got {sinks.dtype} {tuple(sinks.shape)}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be a positive number of positions, got {sliding_window}")
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.dtype not in (query.dtype, torch.float32) or out.stride(-1) != 1 or out.device != device:
-        raise ValueError(f"out: expected {tuple(query.shape)} of {query.dtype} or float32 on {device}, got {out.dtype} {tuple(out.shape)}")
+    out = _check_options(query, sinks, sliding_window, sm_scale, num_splits, out)
     check_scales(k_scale=k_scale, v_scale=v_scale)
-    if sm_scale is not None and not (math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be finite and positive, got {sm_scale}")
     if batch == 0:
         return out
     check_paged_ranges(block_tables, seq_lens, key_cache.shape[0], page_size, sliding_window)
     if kernel not in ("triton", "gluon", "auto"):
         raise ValueError(f"kernel must be 'triton', 'gluon' or 'auto', got {kernel!r}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     scale = float(head_dim**-0.5 if sm_scale is None else sm_scale)
     if kernel != "triton":
         why = _gluon_refusal(query, key_cache, value_cache, fp8_query, config)
@@ -760,16 +769,7 @@ def decode_attention_pth(
     if fp8_query and fmt != "fp8_per_token_head":
         raise ValueError("fp8_query applies to fp8_per_token_head only")
     check_paged_ranges(block_tables, seq_lens, cache.shape[0], cache.shape[1], sliding_window)
-    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,) or sinks.device != device):
-        raise ValueError(f"sinks: expected float32 [{num_q_heads}] on {device}, got {sinks.dtype} {tuple(sinks.shape)}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be a positive number of positions, got {sliding_window}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.dtype not in (query.dtype, torch.float32) or out.stride(-1) != 1 or out.device != device:
-        raise ValueError(f"out: expected {tuple(query.shape)} of {query.dtype} or float32 on {device}, got {out.dtype} {tuple(out.shape)}")
+    out = _check_options(query, sinks, sliding_window, sm_scale, num_splits, out)
     if batch == 0:
         return out
     scale = float(head_dim**-0.5 if sm_scale is None else sm_scale)

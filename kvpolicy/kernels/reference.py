@@ -7,6 +7,8 @@ ignored: the reference is the exact answer the kernel approximates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvpolicy.kernels.formats import FP8_E4M3_MAX, PTH_QMAX, PTH_SCALE_FLOOR, pth_layout
@@ -89,16 +91,24 @@ def ref_decode_attention(
     denominator) . v, with K/V dequantised as stored * scale. An empty sequence
     yields zeros.
     """
+    return _attend(query, seq_lens, key_cache.shape[2], sm_scale, sliding_window, sinks,
+                   lambda b, n: (dequantize_tokens(key_cache, block_tables[b], n, k_scale),
+                                 dequantize_tokens(value_cache, block_tables[b], n, v_scale)))
+
+
+def _attend(query: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int, sm_scale: float | None,
+            sliding_window: int | None, sinks: torch.Tensor | None,
+            tokens: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exact attention of each sequence's query over its float64 K/V [n, num_kv_heads, head_dim] from
+    `tokens(b, seq_len)` (the last `sliding_window` of them; sinks in the denominator; empty: zeros)."""
     batch, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
     result = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64, device=query.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        k = dequantize_tokens(key_cache, block_tables[b], seq_len, k_scale)
-        v = dequantize_tokens(value_cache, block_tables[b], seq_len, v_scale)
+        k, v = tokens(b, seq_len)
         start = max(seq_len - sliding_window, 0) if sliding_window is not None else 0
         k, v = k[start:], v[start:]
         # Query heads of one KV head are consecutive: head h reads KV head h // group.
@@ -225,21 +235,6 @@ def ref_decode_attention_pth(
 ) -> torch.Tensor:
     """Reference for `decode_attention_pth`: float64 [batch, num_q_heads, head_dim], exact attention over the
     dequantized cache (sinks in the denominator; an empty sequence yields zeros)."""
-    batch, num_q_heads, head_dim = query.shape
-    num_kv_heads = cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    result = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float64, device=query.device)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
-            continue
-        k, v = dequantize_pth_tokens(cache, block_tables[b], seq_len, fmt, head_dim)
-        start = max(seq_len - sliding_window, 0) if sliding_window is not None else 0
-        k, v = k[start:], v[start:]
-        q = query[b].to(torch.float64).view(num_kv_heads, group, head_dim)
-        logits = torch.einsum("kgd,nkd->kgn", q, k).reshape(num_q_heads, -1) * scale
-        if sinks is not None:
-            logits = torch.cat([logits, sinks.to(torch.float64)[:, None]], dim=1)
-        probs = torch.softmax(logits, dim=1)[:, : k.shape[0]].view(num_kv_heads, group, -1)
-        result[b] = torch.einsum("kgn,nkd->kgd", probs, v).reshape(num_q_heads, head_dim)
-    return result
+    head_dim = query.shape[2]
+    return _attend(query, seq_lens, cache.shape[2], sm_scale, sliding_window, sinks,
+                   lambda b, n: dequantize_pth_tokens(cache, block_tables[b], n, fmt, head_dim))

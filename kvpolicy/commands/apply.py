@@ -71,10 +71,9 @@ def user_vllm_args(raw: list[str]) -> list[str]:
 
 def user_config_keys(user_args: list[str], emit_config: str | None) -> dict[str, str]:
     """Flags set by the user's own `--config FILE` after `--`, as `--key` -> `key in FILE`."""
-    from kvpolicy.outputs.vllm_flags import canonical_flag, option_groups
+    from kvpolicy.outputs.vllm_flags import canonical_flag, option_groups, option_value
 
-    files = [tokens[0].split("=", 1)[1] if "=" in tokens[0] else (tokens[1:] or [""])[0]
-             for flag, tokens in option_groups(user_args) if flag == "--config"]
+    files = [option_value(tokens) for flag, tokens in option_groups(user_args) if flag == "--config"]
     if not files:
         return {}
     if emit_config:
@@ -113,12 +112,12 @@ def decide(args: argparse.Namespace) -> tuple[Recommendation, ModelArch, str]:
 def _check_user_max_model_len(user_args: list[str], context: int) -> None:
     """A `--max-model-len` after `--` that is not the decision's context would launch vLLM at a length whose limit,
     format and memory no one checked: the context goes through --context instead."""
-    from kvpolicy.outputs.vllm_flags import option_groups, vllm_human_int
+    from kvpolicy.outputs.vllm_flags import option_groups, option_value, vllm_human_int
 
     for flag, tokens in option_groups(user_args):
         if flag != "--max-model-len":
             continue
-        text = tokens[0].split("=", 1)[1] if "=" in tokens[0] else " ".join(tokens[1:2])
+        text = option_value(tokens)
         value = vllm_human_int(text)
         if value is None:
             raise InputError(f"`{' '.join(tokens)}` after `--`: vLLM reads --max-model-len as a whole number, "

@@ -437,9 +437,10 @@ def _model_check(args: argparse.Namespace, arch: Any, variants: list[Any], devic
     result.model_check = checks
     result.model_check_note = note
     result.retrieval = points
-    result.retrieval_note = retrieval_note or (
-        "skipped on the CPU (each prompt is a float64 pass): --retrieval N runs N prompts per context"
-        if not retrieval else "")
+    if not retrieval:
+        retrieval_note = ("off: --retrieval N runs N prompts per context" + (
+            " (off by default on the CPU, where each prompt is a float64 pass)" if backend == "reference" else ""))
+    result.retrieval_note = retrieval_note
     for c in checks[1:]:
         if c.kernel_kl_ratio is not None and c.kernel_kl_ratio > KERNEL_KL_RATIO_MAX:
             result.warnings.append(

@@ -185,6 +185,11 @@ def option_groups(args: list[str]) -> list[tuple[str | None, list[str]]]:
     return groups
 
 
+def option_value(tokens: list[str]) -> str:
+    """The value of one option group: `--flag=value` or `--flag value` ("" without one)."""
+    return tokens[0].split("=", 1)[1] if "=" in tokens[0] else (tokens[1:] or [""])[0]
+
+
 def user_sets(group: tuple[str | None, list[str]]) -> set[str]:
     """Decision flags one user option sets (`--attention-config '{"backend": ...}'` sets the backend)."""
     flag, tokens = group

@@ -141,7 +141,8 @@ def _tq_gl_row(fmt: str) -> dict[str, Any]:
     return row
 
 
-def _pth_row(fmt: str, layout: str = "NHD", block_n: int | None = None, **decode_kwargs: Any) -> dict[str, Any]:
+def _pth_row(fmt: str, layout: str = "NHD", block_n: int | None = None, stages: int | None = None,
+             **decode_kwargs: Any) -> dict[str, Any]:
     """The per-token-head kernels (vLLM's rows of codes and inline scales, `layout` pages); `block_n` overrides
     the tile's tokens (the format's own stages and sums; split counts still assume the default tiling)."""
 
@@ -153,10 +154,11 @@ def _pth_row(fmt: str, layout: str = "NHD", block_n: int | None = None, **decode
 
     def decode(cache: torch.Tensor, query, block_tables, seq_lens, sinks, **kwargs) -> torch.Tensor:
         opts = {k: v for k, v in {**decode_kwargs, **kwargs}.items()
-                if k in ("out", "num_splits", "sm_scale", "sliding_window", "two_level", "fp8_query")}
+                if k in ("out", "num_splits", "sm_scale", "sliding_window", "two_level", "fp8_query", "kernel")}
         if block_n is not None:
             base = pth_config(query.shape[-1], fmt, query.device)
-            opts["config"] = DecodeConfig(block_n=block_n, num_stages=base.num_stages, defer_sum=base.defer_sum)
+            opts["config"] = DecodeConfig(block_n=block_n, num_stages=stages or base.num_stages,
+                                          defer_sum=base.defer_sum)
         return decode_attention_pth(query, cache, block_tables, seq_lens, fmt, sinks=sinks, **opts)
 
     return {"kv_cache_dtype": fmt, "allocate": allocate, "store": store, "decode": decode}
@@ -178,10 +180,16 @@ FORMATS: dict[str, dict[str, Any]] = {
     **{fmt: _pth_row(fmt) for fmt in PTH_FORMATS},
     **{f"{fmt}_hnd": _pth_row(fmt, "HND") for fmt in PTH_FORMATS},
     "fp8_per_token_head_q8": _pth_row("fp8_per_token_head", fp8_query=True),
+    # the Hopper Gluon kernel (pth_gluon.py: a copying warpgroup, wgmma), NHD only; _q8: fp8 with an e4m3 query;
+    # _nTsN: T-token tiles, N stages, beside the default tiling
+    **{f"{fmt}_gl": _pth_row(fmt, kernel="gluon") for fmt in PTH_FORMATS},
+    "fp8_per_token_head_gl_q8": _pth_row("fp8_per_token_head", fp8_query=True, kernel="gluon"),
+    **{f"{fmt}_gl_n{t}s{n}": _pth_row(fmt, block_n=t, stages=n, kernel="gluon") for fmt in PTH_FORMATS
+       for t, n in ((128, 2), (64, 4))},
     "int8_per_token_head_n32": _pth_row("int8_per_token_head", block_n=32),
     "int4_per_token_head_n128": _pth_row("int4_per_token_head", block_n=128),
 }
-GLUON_ROWS = {n for n in FORMATS if n.endswith("_gl") or n.startswith("fp8_gl")}
+GLUON_ROWS = {n for n in FORMATS if n.endswith("_gl") or "_gl_" in n or n.startswith("fp8_gl")}
 """Rows of the Gluon kernels (sm_90 only)."""
 SDPA_COLUMNS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
 GLUON_VARIANTS = {

@@ -7,8 +7,9 @@
 #             call, GPU tests first (-x, AB_TESTS), then the table of every row's slope old vs new
 #             (AB_ROWS, AB_CONTEXTS: the rows and contexts; slopes over AB_CONTEXTS)
 #   runtime   kvpolicy bench --record and verify for both layers, then tests/test_runtime_gpu.py (needs .whl)
-#   pth       the per-token-head kernels: their GPU tests, then batch 8 at 32k and 128k on both layers against
-#             cuDNN BF16 and our FP8 kernels, NHD and HND pages and one other tile size each
+#   pth       the per-token-head kernels (Triton and Gluon): their GPU tests and the runtime's (TESTS_K), then batch
+#             8 at 32k-128k on both layers against cuDNN BF16 and our FP8 kernels (PTH_ROWS, PTH_CONTEXTS, PTH_BATCH,
+#             PTH_TIMEOUT)
 #   runtime37 issue 37's targets before (the tree in .ab/rt_base, carried) and after (this tree), same call: GPU
 #             tests, kvpolicy bench (Llama, fp8 and turboquant_4bit_nc, batch 1), bench_host.py's host cost, the
 #             BF16 kernel against cuDNN eager and in graph replay, the one-level needle verify at 64k-256k
@@ -78,11 +79,15 @@ runtime)
   pytest_gpu pytest_runtime.log -rs tests/test_runtime_gpu.py
   ;;
 pth)
-  pytest_gpu pytest.log tests/kernels/test_per_token_head.py
+  targets=(tests/kernels/test_per_token_head.py tests/kernels/test_pth_gluon.py)
+  python3 -c "import pydantic, ruamel.yaml" 2> /dev/null && targets+=(tests/test_runtime_gpu.py)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "${targets[@]}" ${TESTS_K:+-k "$TESTS_K"} \
+      > "$out/pytest.log" 2>&1
+  echo "tests: $(tail -1 "$out/pytest.log")"
   pth=fp8_per_token_head,int8_per_token_head,int4_per_token_head
-  timeout 330 python3 bench/bench_decode.py --formats fp8_gl,fp8,$pth,${pth//_head/_head_hnd},fp8_per_token_head_q8,\
-int8_per_token_head_n32,int4_per_token_head_n128,sdpa_cudnn --contexts 32768,131072 --batch 8 --skip-accuracy \
-      --out "$out/bench_pth.json" > "$out/bench_pth.log" 2>&1
+  rows=${PTH_ROWS:-fp8_gl,fp8,$pth,${pth//_head/_head_gl},${pth//_head/_head_gl_n128s2},fp8_per_token_head_gl_q8,sdpa_cudnn}
+  timeout ${PTH_TIMEOUT:-300} python3 bench/bench_decode.py --formats "$rows" --contexts ${PTH_CONTEXTS:-32768,65536,131072} \
+      --batch ${PTH_BATCH:-8} --skip-accuracy --out "$out/bench_pth.json" > "$out/bench_pth.log" 2>&1
   sed -n '/^## /,$p' "$out/bench_pth.log"
   ;;
 runtime37)

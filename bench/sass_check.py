@@ -171,13 +171,13 @@ def _store(fmt: str, d: int, planar: bool = False) -> None:
                 slots, fmt)
 
 
-def _pth(fmt: str, d: int, shape: str, layout: str = "NHD") -> None:
+def _pth(fmt: str, d: int, shape: str, layout: str = "NHD", **kw) -> None:
     from kvpolicy.kernels.decode_attention import decode_attention_pth
     from kvpolicy.kernels.paged_store import allocate_pth_cache
 
     q, bt, sl, window, sinks = _inputs(shape, d)
     decode_attention_pth(q, allocate_pth_cache(64, 16, 8, d, fmt, "cuda", layout), bt, sl, fmt, sliding_window=window,
-                         sinks=sinks)
+                         sinks=sinks, **kw)
 
 
 def _store_pth(fmt: str, d: int) -> None:
@@ -185,6 +185,12 @@ def _store_pth(fmt: str, d: int) -> None:
 
     key = torch.randn(40, 8, d, device="cuda").to(torch.bfloat16)
     store_kv_pth(key, key, allocate_pth_cache(64, 16, 8, d, fmt, "cuda"), torch.arange(40, device="cuda"), fmt)
+
+
+def _config(block_n: int, stages: int):
+    from kvpolicy.kernels.decode_attention import DecodeConfig
+
+    return DecodeConfig(block_n=block_n, num_stages=stages, defer_sum=False)
 
 
 PTH = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head")
@@ -212,6 +218,11 @@ def cases() -> list[tuple[str, functools.partial]]:
         for fmt in PTH:
             short = fmt.removesuffix("_per_token_head") + "_pth"
             out += [(f"{short}_d{d}_{s}", P(_pth, fmt, d, s)) for s in ("b8_32k", "b1_128k", "b8_win")]
+            gl_kw = dict(kernel="gluon", fp8_query=fmt == "fp8_per_token_head")
+            out += [(f"{short}_gl_d{d}_{s}", P(_pth, fmt, d, s, **gl_kw)) for s in ("b8_32k", "b1_128k", "b8_win")]
+            out += [(f"{short}_gl_n64s4_d{d}_b8_32k", P(_pth, fmt, d, "b8_32k", config=_config(64, 4), **gl_kw))]
+            if fmt == "fp8_per_token_head":
+                out += [(f"{short}_gl_f16q_d{d}_{s}", P(_pth, fmt, d, s, kernel="gluon")) for s in ("b8_32k", "b8_win")]
             out += [(f"{short}_hnd_d{d}_b8_32k", P(_pth, fmt, d, "b8_32k", "HND")), (f"store_{short}_d{d}", P(_store_pth, fmt, d))]
     return out
 

@@ -1,5 +1,5 @@
-"""The runtime on a CUDA GPU: the kernel path (Triton; Gluon for FP8 on Hopper) agrees with the reference
-path, and both commands run.
+"""The runtime on a CUDA GPU: the kernel path (Triton; Gluon for FP8, TurboQuant and per-token-head layers on
+Hopper) agrees with the reference path, and both commands run.
 
 Skipped where there is no GPU (tests/conftest.py); CI runs the CPU twins in the
 other test_runtime_* files.
@@ -28,7 +28,9 @@ CUDA = torch.device("cuda")
 # accumulation keeps about 14 mantissa bits in the MMA across tiles (kernels.md: 6.6e-2 at K=4096), so its
 # bound only checks the wiring. On Hopper FP8 runs the Gluon kernel, whose e4m3 query adds its own rounding
 # (kernels/decode_gluon.py; the reference keeps the query in float64).
-TOLERANCE = {"bf16": 2e-2, "fp8": 6e-2, "fp8+one_level": 0.3, "fp8+per_head": 6e-2, "turboquant_4bit_nc": 4e-2}
+# The per-token-head formats: fp16 P x vs and, for int8/int4, the int8 query (kernels/test_per_token_head.py).
+TOLERANCE = {"bf16": 2e-2, "fp8": 6e-2, "fp8+one_level": 0.3, "fp8+per_head": 6e-2, "turboquant_4bit_nc": 4e-2,
+             "fp8_per_token_head": 2e-2, "int8_per_token_head": 2e-2, "int4_per_token_head": 2e-2}
 
 
 def mini_oss() -> ModelArch:
@@ -54,6 +56,8 @@ def test_triton_path_matches_the_reference_on_the_same_caches(variant):
             # Hopper: the FP8 layers run the Gluon kernel (e4m3 query), one-level ones the Triton kernel's FA3 form
             # (e4m3 P.V carried in the fp8 MMA); the comparison below covers both
             assert step.layer_paths() == {"triton" if "one_level" in variant else "gluon": list(range(6))}
+        if variant.endswith("per_token_head") and caches.gluon_available(CUDA):
+            assert step.layer_paths() == {"gluon": list(range(6))}  # Hopper: the per-token-head Gluon kernel
         for plan in step.plans:
             cache = step.caches[plan.index]
             q = step.queries[plan.index]

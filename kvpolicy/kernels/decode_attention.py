@@ -562,6 +562,20 @@ def _gluon_refusal(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     return decode_gluon.refusal(query, key_cache, value_cache)
 
 
+def _pth_gluon_refusal(query: torch.Tensor, cache: torch.Tensor, config: DecodeConfig | None, kernel: str) -> str:
+    """Why the per-token-head Gluon kernel cannot take this call ("" when it can)."""
+    if config is not None and kernel == "auto":
+        return "an explicit DecodeConfig with kernel='auto' is for the Triton kernel"
+    from kvpolicy.kernels.launch import gluon_runs_on
+
+    ok, why = gluon_runs_on(query.device)
+    if not ok:
+        return why
+    from kvpolicy.kernels import pth_gluon
+
+    return pth_gluon.refusal(query, cache)
+
+
 def decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -736,6 +750,7 @@ def decode_attention_pth(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    kernel: str = "triton",
 ) -> torch.Tensor:
     """`decode_attention` over a per-token-head cache of `fmt` (`paged_store.allocate_pth_cache`: vLLM's rows of
     codes and inline fp32 scales, NHD or HND), the same kernel and launcher with the format as a constexpr path.
@@ -744,7 +759,10 @@ def decode_attention_pth(
     query is rotated before the kernel and the output back after it, as vLLM's int4 path does). The 8-bit
     formats' scores and P.V run as the FP8 kernel's (fp8: e4m3 K as fp16, or an e4m3 query with `fp8_query`);
     int8 and int4 keys meet an int8 query (one dynamic scale per program) in an int8 MMA, and their values become
-    exact fp16 in registers. Other arguments as `decode_attention`."""
+    exact fp16 in registers. `kernel`: "triton" (this module, every case), "gluon" (`pth_gluon`, the Hopper
+    warp-specialised wgmma kernel: vLLM's NHD rows, head_dim 64/128; an error where it does not apply)
+    or "auto" (gluon where it applies, else triton). `config` tiles either kernel (the Gluon kernel reads its
+    block_n, 64 or 128, and num_stages). Other arguments as `decode_attention`."""
     if fmt not in PTH_MODE:
         raise ValueError(f"{fmt!r} is not a per-token-head format; expected one of {', '.join(PTH_MODE)}")
     if query.dim() != 3 or query.stride(-1) != 1:
@@ -770,8 +788,13 @@ def decode_attention_pth(
         raise ValueError("fp8_query applies to fp8_per_token_head only")
     check_paged_ranges(block_tables, seq_lens, cache.shape[0], cache.shape[1], sliding_window)
     out = _check_options(query, sinks, sliding_window, sm_scale, num_splits, out)
+    if kernel not in ("triton", "gluon", "auto"):
+        raise ValueError(f"kernel must be 'triton', 'gluon' or 'auto', got {kernel!r}")
     if batch == 0:
         return out
+    why = _pth_gluon_refusal(query, cache, config, kernel) if kernel != "triton" else "not asked"
+    if kernel == "gluon" and why:
+        raise ValueError(f"kernel='gluon' does not apply here: {why}")
     scale = float(head_dim**-0.5 if sm_scale is None else sm_scale)
     int4 = fmt == "int4_per_token_head"
     dst = out
@@ -780,15 +803,23 @@ def decode_attention_pth(
         query = query.float() @ rht_matrix(head_dim, device)
         scale /= head_dim
         dst = torch.empty(out.shape, dtype=torch.float32, device=device)
-    lay = pth_layout(fmt, head_dim)
-    cfg = config or pth_config(head_dim, fmt, device)
-    splits = num_splits or split_count(batch, num_kv_heads, span(block_tables, cache.shape[1], sliding_window, cfg.block_n),
-                                       cfg.block_n, pth_programs_per_sm(head_dim, fmt, device), device,
-                                       pow2_fill=0.85)
-    _launch(query, cache, cache, block_tables, seq_lens, None, None, sinks, dst, scale, sliding_window, splits, cfg,
-            cache.shape[1], kv_fp8=fmt == "fp8_per_token_head", fp8_query=fp8_query, two_level=two_level,
-            PTH=PTH_MODE[fmt], DATA_BYTES=lay.data_bytes, V_OFF=lay.v_off, KS_OFF=lay.k_scale_off,
-            VS_OFF=lay.v_scale_off)
+    if not why:
+        from kvpolicy.kernels.pth_gluon import decode_pth_gluon
+
+        decode_pth_gluon(query, cache, block_tables, seq_lens, fmt, sm_scale=scale, sliding_window=sliding_window,
+                         sinks=sinks, two_level=two_level, num_splits=num_splits, out=dst, fp8_query=fp8_query,
+                         tile=(config.block_n, config.num_stages) if config is not None else None)
+    else:
+        lay = pth_layout(fmt, head_dim)
+        cfg = config or pth_config(head_dim, fmt, device)
+        splits = num_splits or split_count(batch, num_kv_heads,
+                                           span(block_tables, cache.shape[1], sliding_window, cfg.block_n),
+                                           cfg.block_n, pth_programs_per_sm(head_dim, fmt, device), device,
+                                           pow2_fill=0.85)
+        _launch(query, cache, cache, block_tables, seq_lens, None, None, sinks, dst, scale, sliding_window, splits,
+                cfg, cache.shape[1], kv_fp8=fmt == "fp8_per_token_head", fp8_query=fp8_query, two_level=two_level,
+                PTH=PTH_MODE[fmt], DATA_BYTES=lay.data_bytes, V_OFF=lay.v_off, KS_OFF=lay.k_scale_off,
+                VS_OFF=lay.v_scale_off)
     if int4:
         out.copy_(dst @ rht_matrix(head_dim, device, inverse=True))
     return out

@@ -123,7 +123,6 @@ def _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_sc
     EDGE: the tile reaches outside [start, seq_len) (the compiled copy for the few edge tiles keeps the
     masks out of the loop's common path)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
     # 16 bytes per thread along head_dim when reading the e4m3 V tile for its conversion
     cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HEAD_DIM // 16), HEAD_DIM // 16], [4, 1], [1, 0])
 
@@ -160,6 +159,14 @@ def _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_sc
     # K and V of this stage are consumed (K by the finished score MMA, V into V16): release it.
     mbarrier.arrive(empty.index(stage))
 
+    return m_new, l_part, p_v(v16_smem, p_smem, acc, alpha, NH, HEAD_DIM, TWO_LEVEL)
+
+
+@gluon.jit
+def p_v(v16_smem, p_smem, acc, alpha, NH: gl.constexpr, HEAD_DIM: gl.constexpr, TWO_LEVEL: gl.constexpr):
+    """acc [HEAD_DIM, NH] rescaled by alpha plus this tile's O^T = V^T.P^T (fp16 wgmma): summed in fp32 registers
+    (two-level) or carried in the MMA's accumulator."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))
     if TWO_LEVEL:
         pv = warpgroup_mma(v16_smem.permute((1, 0)), p_smem.permute((1, 0)),
@@ -169,7 +176,7 @@ def _attend_tile(i, q_smem, k_bufs, v_bufs, v16_smem, p_smem, full, empty, qk_sc
     else:
         acc = warpgroup_mma(v16_smem.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha_o[None, :], is_async=True)
         acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v16_smem, p_smem))
-    return m_new, l_part, acc
+    return acc
 
 
 @gluon.jit

@@ -205,7 +205,7 @@ def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, sinks: torch.Te
     )
 
 
-GLUON_MODULES = ("decode_gluon", "tq_gluon", "tq_warp")
+GLUON_MODULES = ("decode_gluon", "pth_gluon", "tq_gluon", "tq_warp")
 """The Hopper kernels, written in Gluon."""
 
 

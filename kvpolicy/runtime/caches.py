@@ -79,13 +79,22 @@ class LayerPlan:
         return self.kind != "linear"
 
     def kernel_path(self, backend: str, gluon: bool = False) -> str:
-        """`triton`; `gluon` for the FP8 and TurboQuant layers the Hopper Gluon kernels take, when
+        """`triton`; `gluon` for the FP8, TurboQuant and per-token-head layers the Hopper Gluon kernels take, when
         `gluon` (the GPU is an sm_90 one: `gluon_available`); `reference` where the kernels do not take this
         layer (or on the CPU)."""
         if backend != "triton":
             return "reference"
         if self.fmt is not None and self.fmt.per_token_head:
-            return "triton" if self.head_dim in PTH_HEAD_DIMS and self.kind != "mla" else "reference"
+            if self.head_dim not in PTH_HEAD_DIMS or self.kind == "mla":
+                return "reference"
+            if gluon:
+                # Hopper: the per-token-head Gluon kernel (at least as fast as the Triton one wherever it applies)
+                from kvpolicy.kernels import pth_gluon as pg
+
+                if (self.head_dim in pg.HEAD_DIMS and BLOCK_SIZE == pg.PAGE
+                        and self.num_q_heads // self.num_kv_heads <= pg.MAX_GROUP):
+                    return "gluon"
+            return "triton"
         if self.fmt is not None and self.fmt.kind == "turboquant":
             if gluon:
                 # Hopper: TurboQuant layers read a planar cache with the Gluon kernel (what it takes is its own to say)

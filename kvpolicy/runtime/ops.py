@@ -96,11 +96,11 @@ def decode(cache: LayerCache, plan: LayerPlan, query: torch.Tensor, block_tables
     path = layer_path(plan, backend, query.device, two_level)
     common: dict[str, Any] = {"sm_scale": plan.sm_scale, "sliding_window": plan.window, "sinks": cache.sinks}
     if fmt.per_token_head:
-        if path == "triton":
+        if path in ("triton", "gluon"):
             from kvpolicy.kernels.decode_attention import decode_attention_pth
 
             out = decode_attention_pth(query, cache.key_cache, block_tables, seq_lens, fmt.name, two_level=two_level,
-                                       **common)
+                                       kernel=path, num_splits=num_splits, **common)
         else:
             from kvpolicy.kernels.reference import ref_decode_attention_pth
 

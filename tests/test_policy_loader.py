@@ -101,6 +101,10 @@ BAD = {
     "unknown-fact": (HEADER + "rules:\n  - id: TEAM101\n    name: x\n    statement: s\n"
                      "    when: {fact: model.headdim, op: ge, value: 256}\n    then: {kv_cache_dtype: auto}\n",
                      "bad.yaml:8:12: rule TEAM101: unknown fact `model.headdim`. Did you mean `model.head_dim`"),
+    "unknown-fact-in-a-warning": (HEADER + "rules:\n  - id: TEAM101\n    name: x\n    statement: s\n"
+                                  "    warn: ['{workload.concurency|request} at once']\n",
+                                  "rule TEAM101: `warn:` names unknown fact `{workload.concurency}` (it would print "
+                                  "as None). Did you mean `workload.concurrency`"),
     "unknown-threshold": (HEADER + "rules:\n  - id: TEAM101\n    name: x\n    statement: s\n"
                           "    when: {fact: model.head_dim, op: ge, value: {threshold: prefill_head_dim}}\n"
                           "    then: {kv_cache_dtype: auto}\n", "Did you mean `prefill_head_dim_min`"),

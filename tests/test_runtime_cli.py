@@ -214,11 +214,13 @@ def test_verify_of_a_bf16_decision_says_it_compares_bf16_with_itself(tmp_path, c
     assert result["verdicts"] == [] and any("--compare fp8" in w for w in result["warnings"])
 
 
-def test_verify_with_one_trial_says_trial(tmp_path, capsys):
+def test_verify_header_counts_the_trials_the_table_shows(tmp_path, capsys):
+    """--trials 1 still runs a whole sequence, one trial per query head (32 on Llama): the header says what ran."""
     pytest.importorskip("torch")
     code = main(["verify", "--model", "llama-3.1-8b", "--gpu", "h100", "--device", "cpu", "--contexts", "256,512",
                  "--trials", "1", "--out", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 0, err
     printed = " ".join(out.split())
-    assert "; 1 trial per context" in printed and "1 trials" not in printed
+    assert "; 32 trials per context (1 asked; each sequence gives one per query head)" in printed
+    assert "/32" in printed and "1 trial per context" not in printed

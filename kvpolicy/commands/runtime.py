@@ -478,9 +478,13 @@ def _print_verify(result: Any) -> None:
     geo_text = "; ".join(labels) if labels != [""] else (
         f"layer {g['layer']} ({g['kind']}, {g['num_q_heads']} query heads, {g['num_kv_heads']} KV heads, "
         f"head_dim {g['head_dim']})")
-    trials = result.trials_per_context or result.batch
+    asked = result.trials_per_context or result.batch
+    ran = sorted({p.trials for p in result.points})  # whole sequences: one trial per sequence and query head
+    trials = "/".join(map(str, ran)) if ran else str(asked)
+    plural = "s" * (trials != "1")
+    extra = f" ({asked} asked; each sequence gives one per query head)" if ran and ran != [asked] else ""
     console.print(f"[bold]{result.model}[/] needle test on [bold]{env.device}[/] ({env.backend}): {geo_text}; "
-                  f"{trials} trial{'s' * (trials != 1)} per context")
+                  f"{trials} trial{plural} per context{extra}")
     for label in labels:
         points = [p for p in result.points if p.geometry == label or label == ""]
         contexts = sorted({p.context_tokens for p in points})

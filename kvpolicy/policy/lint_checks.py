@@ -37,7 +37,8 @@ CHECKS = [
     Check("KVL003", "unknown-key", "error", "A key the schema does not know (usually a typo)."),
     Check("KVL004", "bad-extends", "error", "`extends:` names a missing file or closes a loop."),
     Check("KVL005", "unknown-reference", "error",
-          "A rule, pin or `disable:` names an unknown fact, threshold, dtype or rule."),
+          "A rule, pin or `disable:` names an unknown fact (in a condition or a `warn`/`advise` template), "
+          "threshold, dtype or rule."),
     Check("KVL006", "unreadable-file", "error", "The file cannot be read."),
     Check("KVL101", "unreachable-rule", "error", "A rule or pin whose condition can never hold."),
     Check("KVL102", "shadowed-rule", "warning", "Whenever the rule matches, an earlier rule has already decided its field."),

@@ -246,6 +246,11 @@ def _decision_fact(field_name: str, value: Any, facts: dict[str, Any]) -> dict[s
     return {f"decision.{field_name}": value}
 
 
+def placeholder_paths(template: str) -> list[str]:
+    """The fact paths a `warn`/`advise` template names (`fill` renders an unknown one as "None")."""
+    return [m.group(1) for m in _PLACEHOLDER.finditer(template)]
+
+
 def fill(template: str, facts: dict[str, Any]) -> str:
     """Replace `{fact.path}` placeholders with fact values (nothing else is interpreted).
 

@@ -17,7 +17,7 @@ from kvpolicy.inputs.policy_loader import LoadedPolicy, Reader, read_policy
 from kvpolicy.inputs.policy_schema import Policy
 from kvpolicy.inputs.policy_sources import Sources
 from kvpolicy.inputs.yamlio import Problem, located_error
-from kvpolicy.rules.engine import fact_paths, threshold_refs
+from kvpolicy.rules.engine import fact_paths, placeholder_paths, threshold_refs
 
 
 def load_policy(spec: str | Path | None = None, *, read: Reader | None = None) -> LoadedPolicy:
@@ -42,7 +42,7 @@ class Reference:
     name: str
     """Rule id or pin name ("" for defaults)."""
     key: str
-    """The YAML key that holds the name: fact, threshold or kv_cache_dtype."""
+    """The YAML key that holds the name: fact, threshold, kv_cache_dtype, or warn/advise (a template)."""
     value: str
     """The unknown name."""
     message: str
@@ -50,7 +50,7 @@ class Reference:
 
 
 def reference_problems(policy: Policy) -> list[Reference]:
-    """Unknown facts, thresholds and dtypes a policy names."""
+    """Unknown facts (in conditions and in `warn`/`advise` templates), thresholds and dtypes a policy names."""
     problems: list[Reference] = []
     conds = [("rule", r.id, r.when) for r in policy.rules] + [("pin", p.name, p.when) for p in policy.pins]
     for owner, name, cond in conds:
@@ -62,6 +62,13 @@ def reference_problems(policy: Policy) -> list[Reference]:
             if ref not in policy.thresholds:
                 problems.append(Reference(owner, name, "threshold", ref, f"{owner} {name}: unknown threshold `{ref}`."
                                           f"{did_you_mean(ref, policy.thresholds)} Define it under `thresholds:`."))
+    for r in policy.rules:
+        for key in ("warn", "advise"):
+            for path in dict.fromkeys(p for text in getattr(r, key) for p in placeholder_paths(text)):
+                if path not in FACTS:
+                    problems.append(Reference("rule", r.id, key, path, f"rule {r.id}: `{key}:` names unknown fact "
+                                              f"`{{{path}}}` (it would print as None).{did_you_mean(path, FACTS)} "
+                                              "`kvpolicy facts` lists them."))
     patches = [("rule", r.id, r.then) for r in policy.rules] + [("pin", p.name, p.set) for p in policy.pins]
     patches.append(("defaults", "", policy.defaults))
     for owner, name, patch in patches:

@@ -173,12 +173,20 @@ def gpu_and_count(spec: str, count: int | None, *, where: str = "--gpu",
     `count` is None when the user did not set `count_where` (it then defaults to the name's count, else 1).
     """
     gpu, named = resolve_gpu_count(spec, where=where)
+    return gpu, agreed_count(spec, gpu, named, count, where=where, count_where=count_where)
+
+
+def agreed_count(spec: str, gpu: GpuSpec, named: int | None, count: int | None, *, where: str = "--gpu",
+                 count_where: str = "--tp") -> int:
+    """The GPU count from the count in the name (`named`, from `resolve_gpu_count`) and `count_where`'s value
+    (`count`, None when unset): either alone, 1 without both; InputError when both are given and differ."""
     if named is None:
-        return gpu, 1 if count is None else count
+        return 1 if count is None else count
     if count is not None and count != named:
-        raise InputError(f"{where} `{spec.strip()}` names {named} GPU{'s' * (named != 1)} but {count_where} is {count}; give the count "
-                         f"once: drop {count_where}, or name the GPU alone (`{gpu.id}`) and keep {count_where} {count}.")
-    return gpu, named
+        raise InputError(f"{where} `{spec.strip()}` names {named} GPU{'s' * (named != 1)} but {count_where} is "
+                         f"{count}; give the count once: drop {count_where}, or name the GPU alone (`{gpu.id}`) "
+                         f"and keep {count_where} {count}.")
+    return named
 
 
 _COUNTED = (re.compile(r"(?P<n>[0-9]+)\s*[x×*][\s_-]*(?P<name>.*[^\s_-].*)", re.IGNORECASE),
@@ -213,15 +221,17 @@ def resolve_gpu_count(spec: str, *, where: str = "--gpu") -> tuple[GpuSpec, int 
     parts = []
     for pattern in _COUNTED:
         m = pattern.fullmatch(text)
-        if m:
-            parts.append(m["name"])
-        named = index.get(_gpu_key(m["name"])) if m else None
-        if m and named is not None:
-            count = int(m["n"])
-            if not 1 <= count <= MAX_GPU_COUNT:
-                raise LimitError(f"{where}: `{text}` names {count} GPUs; the count must be in 1..{MAX_GPU_COUNT}, "
-                                 f"e.g. `2x{m['name'].strip()}`.", "gpu")
-            return gpus[named], count
+        if m is None:
+            continue
+        parts.append(m["name"])
+        named = index.get(_gpu_key(m["name"]))
+        if named is None:
+            continue
+        count = int(m["n"])
+        if not 1 <= count <= MAX_GPU_COUNT:
+            raise LimitError(f"{where}: `{text}` names {count} GPUs; the count must be in 1..{MAX_GPU_COUNT}, "
+                             f"e.g. `2x{m['name'].strip()}`.", "gpu")
+        return gpus[named], count
     # `2xh1OO`: the close matches of the name part.
     hint = next((h for h in (_suggest(_gpu_key(t), index) for t in [text, *parts] if t) if h), "")
     raise InputError(

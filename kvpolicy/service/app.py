@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvpolicy.errors import InputError, LimitError
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.catalog import (
-    gpu_and_count,
+    agreed_count,
     load_gpus,
     load_models,
     resolve_gpu_count,
@@ -94,14 +94,14 @@ def resolve(req: RecommendRequest | PlanRequest, count_field: str = "tp") -> tup
     except InputError as exc:
         raise ServiceError(404, "unknown_model", str(exc), "model") from None
     try:
-        resolve_gpu_count(req.gpu, where="gpu")  # an unknown name is a 404, a count out of range a 422
+        gpu, named = resolve_gpu_count(req.gpu, where="gpu")  # an unknown name is a 404, a count out of range a 422
     except LimitError as exc:
         raise ServiceError(422, "invalid_request", str(exc), exc.field or "gpu") from None
     except InputError as exc:
         raise ServiceError(404, "unknown_gpu", str(exc), "gpu") from None
     given = getattr(req, count_field) if count_field in req.model_fields_set else None
     try:
-        gpu, count = gpu_and_count(req.gpu, given, where="gpu", count_where=count_field)
+        count = agreed_count(req.gpu, gpu, named, given, where="gpu", count_where=count_field)
     except InputError as exc:
         raise ServiceError(422, "invalid_request", str(exc), count_field) from None
     return arch, gpu, count

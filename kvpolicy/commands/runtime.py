@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -426,9 +427,11 @@ def _model_check(args: argparse.Namespace, arch: Any, variants: list[Any], devic
             "transformers installed, for next-token agreement, KL and perplexity)")
         return
     from kvpolicy.runtime.hfcheck import run_model_check
-    from kvpolicy.runtime.verify import model_thresholds, model_verdicts
-
-    from kvpolicy.runtime.verify import KERNEL_KL_RATIO_MAX
+    from kvpolicy.runtime.verify import (
+        KERNEL_KL_RATIO_MAX,
+        model_thresholds,
+        model_verdicts,
+    )
 
     tokens = args.tokens or 512
     checks, note, points, retrieval_note = run_model_check(
@@ -468,6 +471,21 @@ def _retrieval_cell(p: Any) -> str:
     return f"{p.recovery:.0%} [{p.recovery_low:.0%}, {p.recovery_high:.0%}] ({p.kept}/{p.bf16_hits})"
 
 
+def _context_table(title: str, points: list[Any], cell: Callable[[Any], str]) -> Any:
+    """A rich table of hit-or-miss points: a row per variant, a column per context, `cell` of each point."""
+    from rich.table import Table
+
+    contexts = sorted({p.context_tokens for p in points})
+    table = Table(title=title)
+    table.add_column("variant")
+    for c in contexts:
+        table.add_column(f"{c // 1024}k" if c % 1024 == 0 else str(c), justify="right")
+    at = {(p.variant, p.context_tokens): p for p in points}
+    for name in dict.fromkeys(p.variant for p in points):
+        table.add_row(name, *("-" if (name, c) not in at else cell(at[name, c]) for c in contexts))
+    return table
+
+
 def _print_verify(result: Any) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -487,19 +505,8 @@ def _print_verify(result: Any) -> None:
                   f"{trials} trial{plural} per context{extra}")
     for label in labels:
         points = [p for p in result.points if p.geometry == label or label == ""]
-        contexts = sorted({p.context_tokens for p in points})
-        table = Table(title="needle recovery vs BF16 [95% interval] (kept / BF16 hits; output error vs float64)"
-                      + (f": {label}" if label else ""))
-        table.add_column("variant")
-        for c in contexts:
-            table.add_column(f"{c // 1024}k" if c % 1024 == 0 else str(c), justify="right")
-        for name in dict.fromkeys(p.variant for p in points):
-            row = [name]
-            for c in contexts:
-                p = next((p for p in points if p.variant == name and p.context_tokens == c), None)
-                row.append("-" if p is None else _needle_cell(p))
-            table.add_row(*row)
-        console.print(table)
+        console.print(_context_table("needle recovery vs BF16 [95% interval] (kept / BF16 hits; output error vs "
+                                     "float64)" + (f": {label}" if label else ""), points, _needle_cell))
     colors = {"pass": "green", "calibrate": "yellow", "keep_bf16": "red", "undecided": "magenta",
               "not_applicable": "dim"}
     if result.model_check:
@@ -523,18 +530,8 @@ def _print_verify(result: Any) -> None:
         console.print(t)
     console.print(f"model-level check: {result.model_check_note}")
     if result.retrieval:
-        contexts = sorted({p.context_tokens for p in result.retrieval})
-        t = Table(title="model-level retrieval in real text: recovery vs BF16 [95% interval] (kept / BF16 hits)")
-        t.add_column("variant")
-        for c in contexts:
-            t.add_column(f"{c // 1024}k" if c % 1024 == 0 else str(c), justify="right")
-        for name in dict.fromkeys(p.variant for p in result.retrieval):
-            row = [name]
-            for c in contexts:
-                p = next((p for p in result.retrieval if p.variant == name and p.context_tokens == c), None)
-                row.append("-" if p is None else _retrieval_cell(p))
-            t.add_row(*row)
-        console.print(t)
+        console.print(_context_table("model-level retrieval in real text: recovery vs BF16 [95% interval] "
+                                     "(kept / BF16 hits)", result.retrieval, _retrieval_cell))
     if result.retrieval_note:
         console.print(f"retrieval: {result.retrieval_note}")
     if result.model_thresholds is not None:

@@ -41,17 +41,17 @@ Verdict = str
 """`pass`, `calibrate`, `keep_bf16`, `undecided` or `not_applicable`."""
 
 
-class NeedlePoint(_Model):
-    """One format at one context on one layer geometry."""
+class HitPoint(_Model):
+    """One format at one context of a hit-or-miss test, and the share of BF16's hits it keeps."""
 
     variant: str
     """Variant name."""
     context_tokens: int
-    """Tokens in each sequence."""
+    """Tokens in each sequence or prompt."""
     hits: int
-    """Trials where the needle's recovered weight exceeds 1/2."""
+    """Trials this format hit."""
     trials: int
-    """Trials (sequences x query heads)."""
+    """Trials run."""
     recovery: float | None = None
     """Fraction of BF16's hits this format also hits (kept / bf16_hits)."""
     recovery_low: float | None = None
@@ -62,6 +62,12 @@ class NeedlePoint(_Model):
     """Trials hit by both BF16 and this format."""
     bf16_hits: int | None = None
     """Trials BF16 hit (the denominator of `recovery`)."""
+
+
+class NeedlePoint(HitPoint):
+    """One format at one context on one layer geometry: a hit is a trial where the needle's recovered weight
+    exceeds 1/2; trials are sequences x query heads."""
+
     geometry: str = ""
     """Layer geometry tested (`layer 1 (full, 8q/2kv x 64)`)."""
     p_abs_error: float
@@ -130,27 +136,10 @@ KERNEL_KL_RATIO_MAX = 1.5
 """The kernels' mean KL may be at most this multiple of the float64 references' for the same format."""
 
 
-class RetrievalPoint(_Model):
-    """Model-level retrieval in real text at one context: a fact planted at some depth, asked at the end."""
-
-    variant: str
-    """Variant name."""
-    context_tokens: int
-    """Tokens in each prompt (filler text, the fact, the question and the answer)."""
-    trials: int
-    """Prompts (depths x facts)."""
-    hits: int
-    """Prompts whose every answer token is the model's top-1 next token (teacher forced)."""
-    kept: int | None = None
-    """Prompts hit by both BF16 and this format."""
-    bf16_hits: int | None = None
-    """Prompts BF16 hit (the denominator of `recovery`)."""
-    recovery: float | None = None
-    """kept / bf16_hits (None for BF16 itself, or when BF16 hit none)."""
-    recovery_low: float | None = None
-    """Lower end of the 95% Wilson interval of `recovery`."""
-    recovery_high: float | None = None
-    """Upper end of that interval."""
+class RetrievalPoint(HitPoint):
+    """Model-level retrieval in real text at one context: a trial is a prompt with a fact planted at some depth
+    and asked at the end, a hit one whose every answer token is the model's top-1 next token (teacher forced);
+    `recovery` is None for BF16 itself, or when BF16 hit none."""
 
 
 class ModelThresholds(_Model):

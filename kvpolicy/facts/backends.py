@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpolicy import new_dict, new_list
+from kvpolicy.errors import InputError
 from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.datacache import builtin_data
@@ -138,8 +139,6 @@ class AttentionShape:
         raw = facts.get("model.head_sizes") or facts.get("model.head_dim")
         parts = str(raw).split(",") if not isinstance(raw, bool) else []
         if not parts or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-            from kvpolicy.errors import InputError
-
             raise InputError(f"fact model.head_sizes / model.head_dim is {raw!r}: expected a head size such as 128 "
                              "(or sizes such as 128,64).")
         sizes = tuple(int(p) for p in parts)

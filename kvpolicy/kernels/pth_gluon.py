@@ -392,15 +392,26 @@ _CODE_DTYPES = {1: torch.float8_e4m3fn, 2: torch.int8, 3: torch.uint8}
 """How the kernel reads the codes of each PTH mode (fp8, int8, int4)."""
 
 
+def shape_refusal(head_dim: int, group: int, page: int) -> str:
+    """Why the kernel does not take a layer of this shape ("" when it does): what the runtime asks before it
+    allocates a cache."""
+    if group > MAX_GROUP:
+        return f"GQA groups above {MAX_GROUP} query heads per KV head"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (it takes {' or '.join(map(str, HEAD_DIMS))})"
+    if page != PAGE:
+        return f"it needs {PAGE}-token pages"
+    return ""
+
+
 def refusal(query: torch.Tensor, cache: torch.Tensor) -> str:
     """Why `decode_pth_gluon` does not handle these tensors ("" when it does; the device is
     `launch.gluon_runs_on`'s to check)."""
     _, page, heads, row = cache.shape
-    if query.shape[1] // heads > MAX_GROUP:
-        return f"GQA groups above {MAX_GROUP} query heads per KV head"
-    if query.shape[2] not in HEAD_DIMS:
-        return f"head_dim {query.shape[2]} (it takes {' or '.join(map(str, HEAD_DIMS))})"
-    if page != PAGE or cache.stride() != (page * heads * row, heads * row, row, 1):
+    why = shape_refusal(query.shape[2], query.shape[1] // heads, page)
+    if why:
+        return why
+    if cache.stride() != (page * heads * row, heads * row, row, 1):
         return f"it needs vLLM's contiguous NHD rows in {PAGE}-token pages"
     if cache.data_ptr() % 16:
         return "its copies need a 16-byte aligned cache"

@@ -89,10 +89,9 @@ class LayerPlan:
                 return "reference"
             if gluon:
                 # Hopper: the per-token-head Gluon kernel (at least as fast as the Triton one wherever it applies)
-                from kvpolicy.kernels import pth_gluon as pg
+                from kvpolicy.kernels.pth_gluon import shape_refusal
 
-                if (self.head_dim in pg.HEAD_DIMS and BLOCK_SIZE == pg.PAGE
-                        and self.num_q_heads // self.num_kv_heads <= pg.MAX_GROUP):
+                if not shape_refusal(self.head_dim, self.num_q_heads // self.num_kv_heads, BLOCK_SIZE):
                     return "gluon"
             return "triton"
         if self.fmt is not None and self.fmt.kind == "turboquant":

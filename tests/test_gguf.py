@@ -106,13 +106,16 @@ def test_smollm2_geometry_from_its_gguf_header():
     assert arch.max_position_embeddings == 8192 and arch.attention == "gqa"
 
 
+def needs_model_stack() -> None:
+    """Skip unless transformers can load the GGUF checkpoint on torch (gguf and accelerate read it)."""
+    for module in ("torch", "transformers", "gguf", "accelerate"):
+        pytest.importorskip(module)
+
+
 def test_smollm2_model_level_check_on_the_cpu(tmp_path, capsys):
     """The model decides the verdicts, and they follow its figures (what the data show: BF16 through our cache
     reproduces the model, and KL grows as bits shrink)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
+    needs_model_stack()
     path = smollm2_gguf()
     code = main(["verify", "-m", str(path), "-g", "h100", "--device", "cpu", "--contexts", "512", "--trials", "18",
                  "--compare", "fp8,turboquant_4bit_nc,turboquant_3bit_nc", "--tokens", "256",
@@ -165,10 +168,7 @@ def test_smollm2_retrieval_prompts_plant_the_passcode_at_spread_depths():
 def test_smollm2_retrieval_at_model_level_on_the_cpu(tmp_path, capsys):
     """The retrieval test runs beside the needle: BF16 finds the passcode in real text, and every format's
     recovery counts only prompts BF16 got right."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
+    needs_model_stack()
     path = smollm2_gguf()
     code = main(["verify", "-m", str(path), "-g", "h100", "--device", "cpu", "--contexts", "384", "--trials", "4",
                  "--compare", "turboquant_3bit_nc", "--tokens", "32", "--retrieval", "3",

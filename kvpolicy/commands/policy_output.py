@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvpolicy import noun
 from kvpolicy.outputs.render import echo
 
 OUTPUT_FORMATS = ("table", "json", "github")
@@ -78,9 +79,8 @@ def render_lint(findings: list[Any], num_files: int, fmt: str) -> None:
     else:
         for f in findings:
             echo(f"{at(f.file, f.line, f.col)}: {f.code} [{f.severity}] {f.message}")
-    noun = "file" if num_files == 1 else "files"
-    echo(f"{num_files} {noun} linted: {errors} error{'s' * (errors != 1)}, "
-         f"{warnings} warning{'s' * (warnings != 1)}" + (f", {notes} note{'s' * (notes != 1)}" if notes else "")
+    echo(f"{num_files} {noun(num_files, 'file')} linted: {errors} {noun(errors, 'error')}, "
+         f"{warnings} {noun(warnings, 'warning')}" + (f", {notes} {noun(notes, 'note')}" if notes else "")
          + ("" if findings else ", all clean"))
 
 
@@ -143,7 +143,7 @@ def render_tests(files: list[Any], coverage: dict[str, dict[str, list[str]]], fm
                     echo(f"           trace: {trace}")
         shown = sum(1 for c in fr.cases if c.status == "PASS")
         if shown and not verbose:
-            echo(f"  PASS    {shown} case{'s' * (shown != 1)}")
+            echo(f"  PASS    {shown} {noun(shown, 'case')}")
     if fmt != "github":
         for policy, cov in coverage.items():
             if cov["uncovered"]:
@@ -154,7 +154,8 @@ def render_tests(files: list[Any], coverage: dict[str, dict[str, list[str]]], fm
                                                 f"all {n} rules and pins it defines") + " fired in some case")
             else:
                 echo(f"coverage: {policy}: defines no rules or pins of its own (inherited ones are tested upstream)")
-    echo(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} error{'s' * (counts['ERROR'] != 1)}, {counts['SKIPPED']} skipped")
+    echo(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} {noun(counts['ERROR'], 'error')}, "
+         f"{counts['SKIPPED']} skipped")
     return counts
 
 
@@ -239,7 +240,7 @@ def check_summary(label: str, results: list[dict[str, Any]], strict: bool) -> st
     parts.append(f"{counts['violation']} with violations")
     if counts["error"]:
         parts.append(f"{counts['error']} not evaluated (errors)")
-    return f"{n} deployment{'s' * (n != 1)} checked against {label}: " + ", ".join(parts)
+    return f"{n} {noun(n, 'deployment')} checked against {label}: " + ", ".join(parts)
 
 
 # -- diff --------------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def render_diff(old_label: str, new_label: str, changes: list[str], diffs: list[
         for w in d.warnings_added:
             echo(f"          + warning: {w}")
     changed = sum(d.status == "changed" for d in diffs)
-    echo(f"{len(diffs)} deployment{'s' * (len(diffs) != 1)}, {changed} decision{'s' * (changed != 1)} changed")
+    echo(f"{len(diffs)} {noun(len(diffs), 'deployment')}, {changed} {noun(changed, 'decision')} changed")
 
 
 def _change_text(c: Any) -> str:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvpolicy import noun
 from kvpolicy.formats import FORMATS, KvFormat
 from kvpolicy.inputs.arch import ATTENTION_KINDS, RECURRENT_KINDS, LayerSpec, ModelArch
 from kvpolicy.inputs.gpus import GpuSpec
@@ -418,7 +419,7 @@ class KvPlan:
             parts[k] = parts.get(k, 0) + 1
         out = []
         for (kind, slots, bs, bpr), n in parts.items():
-            out.append(f"{n} {kind} group{'s' if n > 1 else ''} x {bpr} block{'s' * (bpr != 1)} of {bs} tokens")
+            out.append(f"{n} {kind} {noun(n, 'group')} x {bpr} {noun(bpr, 'block')} of {bs} tokens")
         pad = f", {self.padding_layers} padding layers" if self.padding_layers else ""
         return "; ".join(out) + pad
 

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvpolicy import noun
 from kvpolicy.facts.estimates import Estimate, Figures, slope_ratio, variant_key
 from kvpolicy.formats import FORMATS
 from kvpolicy.inputs.policy_schema import resolve_threshold
@@ -336,7 +337,7 @@ def burst(r: Replica, size: int, rate: float | None = None) -> LoadResult:
         t += prefill_phase + decode_phase
         left -= n
         waves += 1
-    note = (f"{size} request{'s' * (size != 1)} in {waves} wave{'s' if waves > 1 else ''} of up to {r.capacity} "
+    note = (f"{size} {noun(size, 'request')} in {waves} {noun(waves, 'wave')} of up to {r.capacity} "
             f"(KV room); served in {t:.1f} s")
     saturated = False
     if rate is not None and t > size / rate:

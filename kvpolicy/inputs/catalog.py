@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvpolicy import new_list
+from kvpolicy import new_list, noun
 from kvpolicy.errors import InputError, LimitError
 from kvpolicy.inputs.arch import ModelArch
 from kvpolicy.inputs.datacache import builtin_data
@@ -162,7 +162,7 @@ def resolve_gpu(spec: str, *, where: str = "--gpu") -> GpuSpec:
     """
     gpu, count = resolve_gpu_count(spec, where=where)
     if count is not None:
-        raise InputError(f"{where}: `{spec.strip()}` names {count} GPU{'s' * (count != 1)}; name one GPU here, e.g. `{gpu.id}`.")
+        raise InputError(f"{where}: `{spec.strip()}` names {count} {noun(count, 'GPU')}; name one GPU here, e.g. `{gpu.id}`.")
     return gpu
 
 
@@ -183,7 +183,7 @@ def agreed_count(spec: str, gpu: GpuSpec, named: int | None, count: int | None, 
     if named is None:
         return 1 if count is None else count
     if count is not None and count != named:
-        raise InputError(f"{where} `{spec.strip()}` names {named} GPU{'s' * (named != 1)} but {count_where} is "
+        raise InputError(f"{where} `{spec.strip()}` names {named} {noun(named, 'GPU')} but {count_where} is "
                          f"{count}; give the count once: drop {count_where}, or name the GPU alone (`{gpu.id}`) "
                          f"and keep {count_where} {count}.")
     return named

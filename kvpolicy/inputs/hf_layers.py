@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpolicy import noun
 from kvpolicy.errors import InputError
 from kvpolicy.inputs.arch import LayerSpec, RecurrentState, TpRule
 
@@ -419,7 +420,7 @@ def tp_rules(cfg: dict[str, Any], layers: list[LayerSpec], *, num_heads: int, mo
 def _check_len(listed: list[Any], key: str, num_layers: int, where: str) -> None:
     if len(listed) != num_layers:
         raise InputError(
-            f"{where}: `{key}` lists {len(listed)} layer{'s' * (len(listed) != 1)} but num_hidden_layers is {num_layers}. "
+            f"{where}: `{key}` lists {len(listed)} {noun(len(listed), 'layer')} but num_hidden_layers is {num_layers}. "
             "The two must agree; fix one of them."
         )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvpolicy import noun
 from kvpolicy.errors import InputError
 from kvpolicy.inputs import hf_layers, hf_limits, hf_weights
 from kvpolicy.inputs.arch import ModelArch
@@ -169,7 +170,7 @@ def arch_from_hf_config(config: dict[str, Any], model_id: str, source: str, *,
     shape_bytes, params = hf_weights.weights_bytes(mods, wscheme)
     mtp = int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers")
               or (cfg.get("num_mtp_modules") if cfg.get("use_mtp") else 0) or 0)
-    mtp_note = f"; {mtp} MTP layer{'s' if mtp > 1 else ''} left out (vLLM's main model skips them)" if mtp else ""
+    mtp_note = f"; {mtp} MTP {noun(mtp, 'layer')} left out (vLLM's main model skips them)" if mtp else ""
     if checkpoint_bytes is not None:
         w_bytes, w_basis = checkpoint_bytes
         w_basis += f"; the config's shapes give {shape_bytes / 1e9:.1f} GB ({params / 1e9:.2f}B parameters, {wscheme.label})"

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvpolicy import new_list
+from kvpolicy import new_list, noun
 from kvpolicy.facts.estimates import Estimate, Figures
 from kvpolicy.facts.load import (
     BANDWIDTH_EFFICIENCY,
@@ -331,7 +331,7 @@ def _option(rec: Recommendation, figures: Figures, traffic: Traffic, slo: Slo, t
     finite = not load.saturated and math.isfinite(load.ttft_s)
     ttft = Estimate(value=round(load.ttft_s, 3) if finite else None, unit="s", provenance="modelled",
                     basis=basis_load + f"; prefill {pre.seconds * 1e3:.0f} ms + {replica.chunks} chunk "
-                          f"step{'s' * (replica.chunks != 1)}")
+                          f"{noun(replica.chunks, 'step')}")
     tpot_ms = load.tpot_s * 1e3 if math.isfinite(load.tpot_s) else None
     tpot = Estimate(value=round(tpot_ms, 2) if tpot_ms is not None else None, unit="ms", provenance="modelled",
                     basis="decode step / (1 - share of GPU time prefill takes) at "
@@ -358,7 +358,7 @@ def _option(rec: Recommendation, figures: Figures, traffic: Traffic, slo: Slo, t
         decode_slope=step.slope, decode_intercept=step.intercept, prefill=pre.estimate, ttft=ttft, tpot=tpot,
         tokens_per_s_per_gpu=Estimate(value=round(per_gpu, 1), unit="tokens/s", provenance="modelled",
                                       basis=f"{load.requests_per_s:.3g} requests/s x {traffic.osl:,} output tokens x "
-                                            f"{replicas} replica{'s' if replicas > 1 else ''} / {gpus} GPU{'s' * (gpus != 1)}"),
+                                            f"{replicas} {noun(replicas, 'replica')} / {gpus} {noun(gpus, 'GPU')}"),
         tokens_per_s_per_user=Estimate(value=round(1e3 / tpot_ms, 1) if tpot_ms else None, unit="tokens/s",
                                        provenance="modelled", basis="1 / TPOT"),
         accuracy_recovery=acc, running=round(load.running, 2), saturated=load.saturated, load_note=load.note,

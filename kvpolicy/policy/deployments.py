@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvpolicy import noun
 from kvpolicy.errors import InputError, KvPolicyError, did_you_mean
 from kvpolicy.inputs.policy_loader import BUILTIN, LoadedPolicy
 from kvpolicy.inputs.policy_schema import Deployment
@@ -106,7 +107,7 @@ def check_deployment(loaded: LoadedPolicy, dep: Deployment) -> dict[str, object]
         violations += [f"vLLM would refuse to start: {b}" for b in rec.blockers]
     elif est.max_concurrency.value is not None and est.max_concurrency.value < wl.concurrency:
         held = int(est.max_concurrency.value)
-        violations.append(f"{d.kv_cache_dtype} holds {held} request{'s' * (held != 1)} of "
+        violations.append(f"{d.kv_cache_dtype} holds {held} {noun(held, 'request')} of "
                           f"{wl.context_tokens:,} tokens; the deployment needs {wl.concurrency}. Lower the "
                           "concurrency or context, or raise `tp`.")
     recovery = est.accuracy_recovery.value

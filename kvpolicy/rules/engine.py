@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpolicy import noun
 from kvpolicy.errors import PolicyError
 from kvpolicy.facts import backends
 from kvpolicy.formats import FORMATS
@@ -261,11 +262,9 @@ def fill(template: str, facts: dict[str, Any]) -> str:
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         text = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) and v >= 10000 else str(v)
-        noun = m.group(2)
-        if noun is None:
+        if m.group(2) is None:
             return text
-        one = isinstance(v, int) and not isinstance(v, bool) and v == 1
-        return f"{text} {noun if one else m.group(3) or noun + 's'}"
+        return f"{text} {noun(v, m.group(2), m.group(3))}"
 
     return _PLACEHOLDER.sub(sub, template)
 
